@@ -1,0 +1,350 @@
+"""Read a checkpoint's metadata: `config.json`, the safetensors index and every file's header, never tensor data.
+
+A source is a local folder, a single `.safetensors` file, or a Hub repo id (`org/name`). Hub sources go through
+huggingface-hub, so its cache and `HF_HUB_OFFLINE` are honoured; headers of files that are not cached are fetched
+with HTTP range requests (`HfApi.get_safetensors_metadata`), so planning a 665 GiB checkpoint downloads kilobytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# safetensors refuses headers over 100 MB; a longer length prefix means a corrupt or foreign file.
+MAX_HEADER_BYTES = 100_000_000
+
+# Bytes per element of every dtype safetensors knows (sub-byte types count in bits below).
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as its file's header describes it.
+
+    Attributes:
+        name: the on-disk key.
+        file: the file name, relative to the checkpoint root.
+        dtype: the safetensors dtype string, e.g. `BF16`.
+        shape: the tensor's shape.
+        data_start: absolute byte offset of the first element in the file (header included).
+    """
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_start: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BITS[self.dtype] // 8
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BITS[self.dtype] // 8
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """A parsed safetensors header: where the data starts, its tensors and its `__metadata__`."""
+
+    name: str
+    size: int | None
+    header_bytes: int
+    metadata: dict[str, str]
+    tensors: tuple[TensorEntry, ...]
+    digest: str
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Everything `plan` needs to know about a checkpoint, read from metadata only.
+
+    Attributes:
+        source: what the user passed (a path or a repo id).
+        revision: the Hub revision, or None for local sources.
+        root: the local folder holding the files, or None when only remote headers were read.
+        config: the parsed `config.json` (empty for a bare `.safetensors` file).
+        files: the headers, in file-name order.
+        tensors: every tensor by on-disk key.
+        other_files: non-weight files to copy as they are (config, tokenizer, ...), relative to root.
+    """
+
+    source: str
+    revision: str | None
+    root: Path | None
+    config: dict
+    files: tuple[FileHeader, ...]
+    tensors: dict[str, TensorEntry] = field(repr=False)
+    other_files: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def path_of(self, file: str) -> Path:
+        if self.root is None:
+            raise CheckpointError(
+                f"{self.source}: only the headers are available (the files are not downloaded). Run "
+                f"`huggingface-cli download {self.source}` first, or pass a local folder.",
+                path=self.source,
+            )
+        return self.root / file
+
+
+def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
+    """Parse and validate a safetensors header (the bytes after the 8-byte length prefix).
+
+    Args:
+        raw: the JSON header bytes.
+        file: the file name, for messages and for the entries.
+        file_size: the file's size in bytes, to check the offsets against; None when unknown (remote header).
+
+    Returns:
+        A `FileHeader` whose tensors are sorted by data offset.
+
+    Raises:
+        CheckpointError: malformed JSON, an unknown dtype, offsets that disagree with shapes, overlap, or the size.
+    """
+    data_start = 8 + len(raw)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: the safetensors header is not valid JSON ({e}); the file is corrupt, "
+                              "download or copy it again.", path=file) from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object; the file is corrupt.", path=file)
+    metadata = header.pop("__metadata__", None) or {}
+    entries = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{file}: entry {name!r} lacks dtype, shape or data_offsets; the file is corrupt.",
+                                  path=file) from e
+        if dtype not in DTYPE_BITS:
+            raise CheckpointError(f"{file}: entry {name!r} has dtype {dtype!r}, which safetensors does not know "
+                                  f"(known: {', '.join(sorted(DTYPE_BITS))}).", path=file)
+        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (0 <= begin <= end):
+            raise CheckpointError(f"{file}: entry {name!r} has shape {list(shape)} and offsets [{begin}, {end}], "
+                                  "which are not valid.", path=file)
+        expected = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
+        if end - begin != expected:
+            raise CheckpointError(f"{file}: entry {name!r} holds {end - begin} bytes but {dtype} {list(shape)} needs "
+                                  f"{expected}; the file is corrupt.", path=file)
+        entries.append(TensorEntry(name, file, dtype, shape, data_start + begin))
+    entries.sort(key=lambda t: t.data_start)
+    cursor = data_start
+    for entry in entries:
+        if entry.data_start < cursor:
+            raise CheckpointError(f"{file}: entry {entry.name!r} overlaps the previous tensor; the file is corrupt.",
+                                  path=file)
+        cursor = entry.data_start + entry.nbytes
+    if file_size is not None and cursor > file_size:
+        raise CheckpointError(f"{file}: the header describes {cursor} bytes but the file has {file_size}; the file "
+                              "is truncated, download or copy it again.", path=file)
+    return FileHeader(file, file_size, data_start, dict(metadata), tuple(entries), hashlib.sha256(raw).hexdigest())
+
+
+def read_header(path: Path, *, name: str | None = None) -> FileHeader:
+    """Read and validate the header of a local safetensors file (at most `MAX_HEADER_BYTES` are read)."""
+    name = name or path.name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{name}: the file has {size} bytes, too few for a safetensors header; it is "
+                                      "truncated or not a safetensors file.", path=str(path))
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise CheckpointError(f"{name}: the header length prefix says {length} bytes but the file has {size}; "
+                                      "it is truncated or not a safetensors file.", path=str(path))
+            raw = f.read(length)
+    except OSError as e:
+        raise CheckpointError(f"{name}: cannot read ({e.strerror or e}).", path=str(path)) from e
+    return parse_header(raw, file=name, file_size=size)
+
+
+def _inside(root: Path, path: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _checked_file_names(root: Path, index_path: Path) -> tuple[list[str], dict[str, str]]:
+    """Validate `model.safetensors.index.json` before trusting any name in it."""
+    try:
+        index = json.loads(index_path.read_text())
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path.name}: not a valid safetensors index ({e}).", path=str(index_path)) from e
+    for key, name in weight_map.items():
+        where = f"{index_path.name}: entry {key!r} -> {name!r}"
+        if not isinstance(name, str) or not name.endswith(".safetensors"):
+            raise CheckpointError(f"{where}: only .safetensors files are supported (convert .bin checkpoints with "
+                                  "transformers' save_pretrained first).", path=str(index_path))
+        if os.path.isabs(name) or ".." in Path(name).parts:
+            raise CheckpointError(f"{where}: the path leaves the checkpoint folder; refusing it. Fix the index.",
+                                  path=str(index_path))
+        if not (root / name).exists():
+            raise CheckpointError(f"{where}: the file does not exist. Download or copy the missing shard.",
+                                  path=str(root / name))
+        if not _inside(root, root / name):
+            raise CheckpointError(f"{where}: the file is a link out of the checkpoint folder; refusing it.",
+                                  path=str(root / name))
+    return sorted(set(weight_map.values())), weight_map
+
+
+def _read_config(root: Path) -> dict:
+    path = root / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"config.json: not valid JSON ({e}).", path=str(path)) from e
+
+
+def _index_tensors(files: list[FileHeader], weight_map: dict[str, str] | None, where: str) -> dict[str, TensorEntry]:
+    tensors: dict[str, TensorEntry] = {}
+    for header in files:
+        for entry in header.tensors:
+            if entry.name in tensors:
+                raise CheckpointError(f"{where}: tensor {entry.name!r} appears in both {tensors[entry.name].file} and "
+                                      f"{entry.file}.", path=where)
+            tensors[entry.name] = entry
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in tensors or tensors[key].file != name:
+                raise CheckpointError(f"{INDEX_NAME}: entry {key!r} says {name!r}, but that file's header does not "
+                                      "hold it; the index and the files disagree.", path=where)
+    return tensors
+
+
+def read_local(path: Path, *, source: str | None = None, revision: str | None = None) -> CheckpointIndex:
+    """Read a local folder (with or without an index) or a single `.safetensors` file."""
+    path = Path(path)
+    source = source or str(path)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: not a .safetensors file.", path=str(path))
+        header = read_header(path)
+        return CheckpointIndex(source, revision, path.parent, _read_config(path.parent), (header,),
+                               _index_tensors([header], None, str(path)))
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such file or folder. Pass a checkpoint folder, a .safetensors file or a "
+                              "Hub repo id (org/name).", path=str(path))
+    index_path = path / INDEX_NAME
+    weight_map = None
+    if index_path.exists():
+        names, weight_map = _checked_file_names(path, index_path)
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors") if not p.name.startswith("shard-"))
+        for name in names:
+            if not _inside(path, path / name):
+                raise CheckpointError(f"{name}: the file is a link out of the checkpoint folder; refusing it.",
+                                      path=str(path / name))
+    if not names:
+        raise CheckpointError(f"{path}: no .safetensors files and no {INDEX_NAME}. Is this a checkpoint folder?",
+                              path=str(path))
+    headers = [read_header(path / name, name=name) for name in names]
+    weight_names = set(names) | {INDEX_NAME}
+    others = tuple(sorted(
+        str(p.relative_to(path)) for p in path.rglob("*")
+        if p.is_file() and p.name not in weight_names and not p.name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+        and ".cache" not in p.relative_to(path).parts
+    ))
+    return CheckpointIndex(source, revision, path, _read_config(path), tuple(headers),
+                           _index_tensors(headers, weight_map, str(path)), others)
+
+
+def looks_like_repo_id(source: str) -> bool:
+    return bool(_REPO_ID.match(source)) and not os.path.exists(source)
+
+
+def read_checkpoint(source: str | os.PathLike, *, revision: str | None = None, need_data: bool = False) -> CheckpointIndex:
+    """Read a checkpoint's metadata from a local path or a Hub repo id.
+
+    Args:
+        source: a folder, a `.safetensors` file, or `org/name` on the Hub.
+        revision: a Hub branch, tag or commit (Hub sources only).
+        need_data: also download the tensor files (for `write`); `plan` reads headers only.
+
+    Returns:
+        A `CheckpointIndex`.
+
+    Raises:
+        CheckpointError: the source is missing, unreachable (offline and not cached), or malformed.
+
+    Example:
+        >>> index = read_checkpoint("Qwen/Qwen3-30B-A3B")  # doctest: +SKIP
+        >>> index.config["model_type"]  # doctest: +SKIP
+        'qwen3_moe'
+    """
+    source = os.fspath(source)
+    if not looks_like_repo_id(source):
+        return read_local(Path(source), revision=revision)
+    return _read_hub(source, revision=revision, need_data=need_data)
+
+
+def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> CheckpointIndex:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    patterns = None if need_data else ["*.json", "*.txt", "*.model", "*.jinja", "*.py"]
+    try:
+        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except (LocalEntryNotFoundError, FileNotFoundError) as e:
+        hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache" if offline
+                else "it could not be reached and is not in the local cache")
+        raise CheckpointError(f"{repo_id}: {hint}. Download it once with network access "
+                              f"(`huggingface-cli download {repo_id}`), or pass a local folder.", path=repo_id) from e
+    except (RepositoryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
+                              "or pass a local folder.", path=repo_id) from e
+    cached = list(root.glob("*.safetensors"))
+    if need_data or cached:
+        return read_local(root, source=repo_id, revision=revision)
+    return _read_remote_headers(repo_id, revision, root)
+
+
+def _read_remote_headers(repo_id: str, revision: str | None, root: Path) -> CheckpointIndex:
+    """Headers of Hub files not in the cache, fetched with range requests (no tensor data)."""
+    from huggingface_hub import HfApi
+
+    try:
+        meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
+    except Exception as e:  # huggingface-hub raises several unrelated types here
+        raise CheckpointError(f"{repo_id}: cannot read the safetensors headers from the Hub ({e}).",
+                              path=repo_id) from e
+    headers = []
+    for name, file_meta in sorted(meta.files_metadata.items()):
+        entries = []
+        for key, info in file_meta.tensors.items():
+            begin, _ = info.data_offsets
+            entries.append(TensorEntry(key, name, info.dtype, tuple(info.shape), begin))
+        headers.append(FileHeader(name, None, 0, dict(file_meta.metadata or {}), tuple(entries), ""))
+    return CheckpointIndex(repo_id, revision, None, _read_config(root), tuple(headers),
+                           _index_tensors(headers, None, repo_id))

@@ -1,0 +1,51 @@
+"""One error hierarchy for everything reshard raises.
+
+Every error carries the numbers and names needed to act on it, and its message says what to do.
+The CLI catches `ReshardError` once and prints the message without a traceback (`--debug` shows it).
+"""
+
+from __future__ import annotations
+
+
+class ReshardError(Exception):
+    """Base class of every error reshard raises."""
+
+
+class CheckpointError(ReshardError, ValueError):
+    """The source checkpoint is missing, malformed, or not what its index says.
+
+    Attributes:
+        path: the file or folder at fault, when there is one.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class MeshError(ReshardError, ValueError):
+    """The requested mesh cannot hold this model, or is not supported yet."""
+
+
+class ArchitectureError(ReshardError, ValueError):
+    """The model type cannot be mapped from its on-disk keys to its in-memory parameters."""
+
+
+class OutputError(ReshardError, OSError):
+    """The output folder exists, cannot be written, or ran out of space."""
+
+
+class VerifyError(ReshardError):
+    """A written folder does not match its manifest or its source.
+
+    Attributes:
+        problems: one line per problem found.
+    """
+
+    def __init__(self, problems: list[str]):
+        super().__init__(f"{len(problems)} problem(s) found:\n" + "\n".join(problems))
+        self.problems = list(problems)
+
+
+class LoadError(ReshardError, RuntimeError):
+    """A rank could not load its shard; raised on every rank, naming the failing one."""

@@ -1,0 +1,219 @@
+"""Find the experts: map on-disk keys to the model's in-memory tensors with transformers' own conversion mapping.
+
+transformers owns the knowledge of how each model type stores its weights (`conversion_mapping.py`) and which
+modules are expert-parallel (the model's `ep_plan`). We build the model on the meta device (no memory, no data),
+replay the key renaming transformers applies at load time, and turn each converter's ops into `Piece` offsets.
+Only the ops we can compose slice by slice are accepted; anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+from .checkpoint import CheckpointIndex
+from .errors import ArchitectureError, CheckpointError
+from .layout import ModelLayout, Piece, Role, TargetTensor
+
+_ROUTER = re.compile(r"(^|\.)(gate|router|moe_statics)(\.|$)|e_score_correction_bias|expert_bias")
+_SHARED = re.compile(r"shared_expert|shared_mlp")
+
+
+def _role(name: str, is_expert: bool) -> Role:
+    if is_expert:
+        return Role.EXPERT
+    if _SHARED.search(name):
+        return Role.SHARED_EXPERT
+    if _ROUTER.search(name):
+        return Role.ROUTER
+    return Role.DENSE
+
+
+def build_meta_model(config: dict):
+    """Build the model class named by `config` on the meta device (no weights are allocated)."""
+    import torch
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ArchitectureError(
+            f"model_type {model_type!r} is not known to transformers {transformers.__version__}. "
+            "reshard maps keys with transformers' own tables; upgrade transformers or check config.json."
+        )
+    hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+    candidates = [getattr(transformers, name, None) for name in config.get("architectures") or []]
+    candidates = [c for c in candidates if c is not None] + [transformers.AutoModelForCausalLM]
+    errors = []
+    for model_class in candidates:
+        try:
+            with torch.device("meta"):
+                if hasattr(model_class, "from_config"):
+                    return model_class.from_config(hf_config)
+                return model_class(hf_config)
+        except (ValueError, TypeError, AttributeError, KeyError) as e:
+            errors.append(f"{getattr(model_class, '__name__', model_class)}: {e}")
+    raise ArchitectureError(f"model_type {model_type!r}: could not build the model on the meta device "
+                            f"({'; '.join(errors)}).")
+
+
+def expert_param_names(model) -> set[str]:
+    """Parameters of the modules the model's EP plan dispatches to experts (`ep_dispatch_experts`)."""
+    plan = model._expand_parallel_plan(dict(getattr(model, "ep_plan", None) or {}))
+    modules = {name for name, style in plan.items() if style == "ep_dispatch_experts"}
+    return {f"{m}.{p}" for m in modules for p, _ in model.get_submodule(m).named_parameters(recurse=False)}
+
+
+def find_experts(index: CheckpointIndex) -> ModelLayout:
+    """Map every on-disk tensor of `index` to the model's state dict, marking the routed experts.
+
+    Args:
+        index: the checkpoint's metadata (`read_checkpoint`).
+
+    Returns:
+        A `ModelLayout`: every state-dict tensor with its role and the on-disk pieces that fill it.
+
+    Raises:
+        ArchitectureError: the model type is unknown, or its conversion uses an op reshard cannot compose.
+        CheckpointError: a state-dict tensor has no source, or the pieces do not fit it.
+    """
+    if not index.config.get("model_type"):
+        raise ArchitectureError(f"{index.source}: config.json has no model_type (or is missing); reshard needs it to "
+                                "know the architecture.")
+    if index.config.get("quantization_config"):
+        method = index.config["quantization_config"].get("quant_method", "?")
+        raise ArchitectureError(f"{index.source}: quantized checkpoints ({method}) are not supported yet: "
+                                "transformers' distributed-checkpoint loader refuses quantization.")
+    model = build_meta_model(index.config)
+    return layout_from_model(model, index)
+
+
+def layout_from_model(model, index: CheckpointIndex) -> ModelLayout:
+    """The `find_experts` work once the meta model exists (split out so callers can reuse a model)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    model_type = index.config["model_type"]
+    meta_state = model.state_dict()
+    buffers = {name for name, _ in model.named_buffers()}
+    experts = expert_param_names(model)
+    mapping = get_model_conversion_mapping(model, None, None)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+
+    # target -> source pattern -> on-disk keys, in the order transformers collects them (natural key order)
+    collected: dict[str, dict[str | None, list[str]]] = defaultdict(lambda: defaultdict(list))
+    ignored = []
+    for key in sorted(index.tensors, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
+        if target not in meta_state and key in meta_state:
+            target, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_state)
+        if target in meta_state:
+            collected[target][pattern].append(key)
+        else:
+            ignored.append(key)
+
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    tensors = []
+    for name, meta in meta_state.items():
+        groups = collected.get(name)
+        if groups is None and tied.get(name) in collected:
+            groups = collected[tied[name]]  # a tied weight the checkpoint stores once
+        if groups is None:
+            raise CheckpointError(f"{index.source}: the model's tensor {name!r} has no source in the checkpoint "
+                                  f"({model_type}); the checkpoint is incomplete or for another model.",
+                                  path=index.source)
+        shape = tuple(meta.shape)
+        pieces = _compose(name, shape, groups, by_pattern, index, model_type)
+        dtypes = {index.tensors[p.source].dtype for p in pieces}
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{name}: its on-disk pieces have mixed dtypes {sorted(dtypes)}.", path=index.source)
+        tensors.append(TargetTensor(name, shape, dtypes.pop(), _role(name, name in experts), name not in buffers,
+                                    tuple(pieces)))
+    return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored))
+
+
+def _compose(name, shape, groups, by_pattern, index, model_type) -> list[Piece]:
+    """Turn one converter's collected keys into pieces, following its ops in order."""
+    if None in groups:  # renamed only: one source, same shape
+        (key,) = groups[None][:1] if len(groups[None]) == 1 else _ambiguous(name, groups[None])
+        pieces = [Piece(key, (0,) * len(shape))]
+        _check_cover(name, shape, pieces, index)
+        return pieces
+    converter = by_pattern[next(iter(groups))]
+    ops = list(converter.operations)
+    # per source pattern: list of (key, offset, stacked_dim) relative to that pattern's own block
+    blocks = {p: [(k, None) for k in groups.get(p, [])] for p in converter.source_patterns}
+    extents = {}
+    step = 0
+    if ops and type(ops[0]).__name__ == "MergeModulelist":
+        dim = ops[0].dim
+        for pattern, keys in blocks.items():
+            placed = []
+            for i, (key, _) in enumerate(keys):
+                placed.append((key, i, dim))
+            blocks[pattern] = placed
+            if keys:
+                src = list(index.tensors[keys[0][0]].shape)
+                src.insert(dim, len(keys))
+                extents[pattern] = src
+        step = 1
+    else:
+        for pattern, keys in blocks.items():
+            if len(keys) > 1:
+                _ambiguous(name, [k for k, _ in keys])
+            blocks[pattern] = [(k, None, None) for k, _ in keys]
+            if keys:
+                extents[pattern] = list(index.tensors[keys[0][0]].shape)
+    concat_dim = None
+    if step < len(ops) and type(ops[step]).__name__ == "Concatenate":
+        concat_dim = ops[step].dim
+        step += 1
+    transpose_ok = step < len(ops) and type(ops[step]).__name__ == "Transpose" and ops[step].check_dims
+    if transpose_ok:
+        step += 1
+    if step != len(ops):
+        raise ArchitectureError(
+            f"{model_type}: {name} is built with {[type(o).__name__ for o in ops]}; reshard composes only "
+            "MergeModulelist, Concatenate and shape-checked Transpose so far. This model type is not supported yet."
+        )
+    pieces = []
+    cursor = 0
+    for pattern in converter.source_patterns:
+        for key, stack_index, stacked_dim in blocks[pattern]:
+            offset = [0] * len(shape)
+            if stacked_dim is not None:
+                offset[stacked_dim] = stack_index
+            if concat_dim is not None:
+                offset[concat_dim] += cursor
+            pieces.append(Piece(key, tuple(offset), stacked_dim))
+        if concat_dim is not None and pattern in extents:
+            cursor += extents[pattern][concat_dim]
+    if transpose_ok and concat_dim is None and pattern in extents and tuple(extents[pattern]) != shape:
+        raise ArchitectureError(f"{model_type}: {name} is stored transposed ({extents[pattern]} on disk, "
+                                f"{list(shape)} in memory); transposing is not supported yet.")
+    _check_cover(name, shape, pieces, index)
+    return pieces
+
+
+def _ambiguous(name, keys):
+    raise ArchitectureError(f"{name}: several on-disk keys map to it without a merge op: {keys[:4]}.")
+
+
+def _check_cover(name, shape, pieces, index) -> None:
+    """Pieces must lie inside the target and add up to it exactly (they are disjoint by construction)."""
+    total = 0
+    for p in pieces:
+        entry = index.tensors[p.source]
+        extent = list(entry.shape)
+        if p.stacked_dim is not None:
+            extent.insert(p.stacked_dim, 1)
+        if len(extent) != len(shape) or any(o + e > s for o, e, s in zip(p.offset, extent, shape)):
+            raise CheckpointError(f"{name}: on-disk {p.source} {list(entry.shape)} does not fit the model's shape "
+                                  f"{list(shape)}; the checkpoint does not match config.json.", path=entry.file)
+        total += math.prod(extent)
+    if total != math.prod(shape):
+        raise CheckpointError(f"{name}: the checkpoint holds {total} of its {math.prod(shape)} elements (shape "
+                              f"{list(shape)}); expert keys are missing.", path=index.source)

@@ -1,0 +1,92 @@
+"""The model's tensors in plain data: in-memory names, shapes, roles, and the on-disk pieces each is built from.
+
+This is the torch-free vocabulary shared by the planner, the writer and the verifier. `reshard.experts` fills it
+from transformers at the edge; tests can build it by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Role(str, Enum):
+    """What a tensor is in the MoE block; only `EXPERT` tensors are expert-sharded."""
+
+    EXPERT = "expert"  # routed experts, stacked on dim 0 in memory, EP-sharded on that dim
+    ROUTER = "router"  # the router / gate and its biases: dense
+    SHARED_EXPERT = "shared_expert"  # always-on experts: dense
+    DENSE = "dense"  # everything else
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One on-disk tensor placed inside an in-memory tensor.
+
+    Attributes:
+        source: the on-disk key.
+        offset: where the piece's first element sits in the target, per target dim.
+        stacked_dim: the target dim the source lacks (per-expert tensors stacked into one), or None.
+    """
+
+    source: str
+    offset: tuple[int, ...]
+    stacked_dim: int | None = None
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    """An in-memory parameter or persistent buffer and how to build it from the checkpoint.
+
+    Attributes:
+        name: the model's state-dict key (fused experts, e.g. `model.layers.0.mlp.experts.gate_up_proj`).
+        shape: the global shape.
+        dtype: the on-disk safetensors dtype, kept as is.
+        role: the tensor's role in the MoE block.
+        is_param: False for a persistent buffer (never sharded by FSDP).
+        pieces: the on-disk tensors that fill it, covering it exactly once.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role
+    is_param: bool
+    pieces: tuple[Piece, ...]
+
+    def piece_shape(self, piece: Piece, source_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The piece's extent in target coordinates (a stacked source gains a length-1 dim)."""
+        if piece.stacked_dim is None:
+            return tuple(source_shape)
+        dims = list(source_shape)
+        dims.insert(piece.stacked_dim, 1)
+        return tuple(dims)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Every tensor the model's state dict holds, as the checkpoint provides it.
+
+    Attributes:
+        model_type: `config.json`'s `model_type`.
+        architecture: the model class that was built on the meta device.
+        tensors: the state-dict entries in model order.
+        ignored_sources: on-disk keys the model does not use (e.g. MTP layers transformers drops).
+    """
+
+    model_type: str
+    architecture: str
+    tensors: tuple[TargetTensor, ...]
+    ignored_sources: tuple[str, ...] = ()
+
+    @property
+    def experts(self) -> tuple[TargetTensor, ...]:
+        return tuple(t for t in self.tensors if t.role is Role.EXPERT)
+
+    def by_name(self) -> dict[str, TargetTensor]:
+        return {t.name: t for t in self.tensors}

@@ -1,0 +1,288 @@
+"""Simulate how transformers 5.23 + FSDP2 shard every tensor, and decide the layout reshard writes instead.
+
+Pure planning over plain data: no torch, no I/O. The arithmetic mirrors torch's
+`torch.distributed.tensor._utils._compute_local_shape_and_global_offset` (tests compare them rank by rank):
+
+- dense parameters: `Shard(0)` on `fsdp` (replicated over `dp_replicate`), chunked like `torch.chunk`:
+  `ceil(n / w)` rows per rank, trailing ranks possibly empty;
+- routed experts with ep > 1: `(_StridedShard(0, sf=ep), Shard(0))` on `(efsdp, ep)`: the expert dim is cut into
+  `ep` contiguous blocks of `E / ep`, and each block is chunked over `efsdp`; with ep = 1, `Shard(0)` on `fsdp`;
+- persistent buffers: not sharded (every rank holds the whole tensor).
+
+An empty local shard has length 0 and, as torch defines it, a global offset equal to the dim's size.
+
+The balanced layout keeps EP on the expert dim and moves the FSDP split of an expert tensor to the first dim
+d >= 1 that divides evenly by the shard degree, when the expert dim does not: every rank then holds the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from .checkpoint import DTYPE_BITS
+from .errors import MeshError
+from .layout import ModelLayout, Role, TargetTensor
+from .mesh import MeshSpec
+
+Box = tuple[tuple[int, int], ...]  # (global offset, length) per tensor dim
+
+
+class LayoutMode(str, Enum):
+    """`stock`: shard exactly as transformers does. `balanced`: move uneven expert splits to an even dim."""
+
+    STOCK = "stock"
+    BALANCED = "balanced"
+
+
+class Kind(str, Enum):
+    REPLICATED = "replicated"  # persistent buffers
+    DENSE = "dense"  # Shard(shard_dim) on fsdp
+    EXPERT = "expert"  # EP on dim 0, then efsdp on shard_dim
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one tensor is split over the mesh.
+
+    Attributes:
+        kind: replicated, dense (fsdp only) or expert (ep, then efsdp).
+        shard_dim: the tensor dim the fsdp / efsdp axis splits (None when replicated).
+        degree: ranks along that axis (fsdp, or efsdp for experts with ep > 1).
+        ep: expert-parallel ranks splitting dim 0 first (1 when there is no EP split).
+    """
+
+    kind: Kind
+    shard_dim: int | None = None
+    degree: int = 1
+    ep: int = 1
+
+    def describe(self) -> str:
+        """The DTensor placements transformers / the patched loader give the parameter."""
+        if self.kind is Kind.REPLICATED:
+            return "Replicate() (buffer, not sharded)"
+        if self.kind is Kind.DENSE or self.ep == 1:
+            return f"Shard({self.shard_dim}) on fsdp"
+        first = f"_StridedShard(0, sf={self.ep})" if self.shard_dim == 0 else f"Shard({self.shard_dim})"
+        return f"({first}, Shard(0)) on (efsdp, ep)"
+
+
+def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """`(offset, length)` of chunk `index` when `size` rows are split like `torch.chunk` into `parts`.
+
+    Every chunk holds `ceil(size / parts)` rows and the trailing ones take what is left, possibly nothing; an
+    empty chunk's offset is `size` (torch's convention for empty shards).
+
+    Example:
+        >>> [chunk(20, 8, i)[1] for i in range(8)]
+        [3, 3, 3, 3, 3, 3, 2, 0]
+    """
+    per = -(-size // parts)
+    start = index * per
+    if start >= size:
+        return size, 0
+    return start, min(per, size - start)
+
+
+def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, shard_index: int) -> Box:
+    """The global region one fsdp coordinate holds of a tensor (see the module docstring for the rules)."""
+    box = [(0, n) for n in shape]
+    if placement.kind is Kind.REPLICATED:
+        return tuple(box)
+    d = placement.shard_dim
+    if placement.kind is Kind.DENSE or placement.ep == 1:
+        box[d] = chunk(shape[d], mesh.fsdp, shard_index)
+    else:
+        efsdp_index, ep_index = mesh.expert_coords(shard_index)
+        per_group = shape[0] // placement.ep
+        box[0] = (ep_index * per_group, per_group)
+        offset, length = chunk(box[d][1], placement.degree, efsdp_index)
+        if length == 0:
+            box[d] = (shape[d], 0)
+        else:
+            box[d] = (box[d][0] + offset, length)
+    if any(length == 0 for _, length in box):
+        # torch: an empty shard's offset is the dim size on the sharded dim; other dims keep their offsets
+        box = [(shape[i], 0) if length == 0 else (offset, length) for i, (offset, length) in enumerate(box)]
+    return tuple(box)
+
+
+def box_is_empty(box: Box) -> bool:
+    return any(length == 0 for _, length in box)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor's stock placement (what transformers does) and the placement reshard writes."""
+
+    tensor: TargetTensor
+    stock: Placement
+    planned: Placement
+
+    def boxes(self, mesh: MeshSpec, *, stock: bool = False) -> tuple[Box, ...]:
+        placement = self.stock if stock else self.planned
+        return tuple(local_box(self.tensor.shape, placement, mesh, f) for f in range(mesh.num_shard_groups))
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """The whole plan: the mesh, and per state-dict tensor its stock and planned placements.
+
+    Attributes:
+        mesh: the target mesh.
+        layout: the model's tensors and their on-disk pieces.
+        mode: stock or balanced.
+        tensors: one `TensorPlan` per state-dict tensor, in model order.
+    """
+
+    mesh: MeshSpec
+    layout: ModelLayout
+    mode: LayoutMode
+    tensors: tuple[TensorPlan, ...]
+
+
+def _stock_placement(tensor: TargetTensor, mesh: MeshSpec) -> Placement:
+    if not tensor.is_param or not tensor.shape:
+        return Placement(Kind.REPLICATED)
+    if tensor.role is Role.EXPERT and mesh.ep > 1:
+        return Placement(Kind.EXPERT, 0, mesh.efsdp, mesh.ep)
+    return Placement(Kind.DENSE, 0, mesh.fsdp)
+
+
+def _planned_placement(stock: Placement, tensor: TargetTensor, mode: LayoutMode) -> Placement:
+    if mode is LayoutMode.STOCK or tensor.role is not Role.EXPERT or stock.kind is Kind.REPLICATED:
+        return stock
+    rows = tensor.shape[0] // stock.ep
+    if rows % stock.degree == 0:
+        return stock  # dim 0 already splits evenly: keep what stock transformers loads unpatched
+    for d in range(1, len(tensor.shape)):
+        if tensor.shape[d] % stock.degree == 0:
+            return Placement(stock.kind, d, stock.degree, stock.ep)
+    return stock  # nothing divides: dim-0 chunks with explicit empty markers
+
+
+def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED) -> ReshardPlan:
+    """Plan every tensor of `layout` on `mesh`.
+
+    Args:
+        layout: from `find_experts`.
+        mesh: the target mesh.
+        mode: `balanced` (default) or `stock`.
+
+    Returns:
+        A frozen `ReshardPlan`.
+
+    Raises:
+        MeshError: ep > 1 but the model has no experts, or an expert count is not divisible by ep.
+
+    Example:
+        >>> plan = make_plan(layout, MeshSpec(fsdp=64, ep=8))  # doctest: +SKIP
+    """
+    mode = LayoutMode(mode)
+    experts = layout.experts
+    if mesh.ep > 1 and not experts:
+        raise MeshError(f"--ep {mesh.ep}: {layout.model_type} has no expert-parallel tensors; use --ep 1.")
+    for tensor in experts:
+        if mesh.ep > 1 and tensor.shape[0] % mesh.ep:
+            raise MeshError(f"{tensor.name}: num_experts ({tensor.shape[0]}) is not divisible by ep ({mesh.ep}); "
+                            "transformers' expert parallelism needs whole experts per EP rank. Pick an ep that "
+                            f"divides {tensor.shape[0]}.")
+    plans = []
+    for tensor in layout.tensors:
+        stock = _stock_placement(tensor, mesh)
+        plans.append(TensorPlan(tensor, stock, _planned_placement(stock, tensor, mode)))
+    return ReshardPlan(mesh, layout, mode, tuple(plans))
+
+
+# ---- summaries for humans and --json ---------------------------------------------------------------------------
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+def family_of(name: str) -> str:
+    """A tensor's family: its name with layer / block numbers replaced by `*`."""
+    return _LAYER.sub(".*.", _LAYER.sub(".*.", name))
+
+
+def _nbytes(box: Box, dtype: str) -> int:
+    return math.prod(length for _, length in box) * DTYPE_BITS[dtype] // 8
+
+
+@dataclass(frozen=True)
+class FamilySummary:
+    pattern: str
+    role: Role
+    count: int
+    shape: tuple[int, ...]
+    dtype: str
+    stock: Placement
+    planned: Placement
+    stock_rows: tuple[int, ...]  # local length on the split dim, per fsdp coordinate
+    planned_rows: tuple[int, ...]
+
+    @property
+    def stock_empty(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.stock_rows) if n == 0) if self.stock.kind is not Kind.REPLICATED else ()
+
+    @property
+    def planned_empty(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.planned_rows) if n == 0) if self.planned.kind is not Kind.REPLICATED else ()
+
+
+def _rows(plan: TensorPlan, mesh: MeshSpec, stock: bool) -> tuple[int, ...]:
+    placement = plan.stock if stock else plan.planned
+    if placement.kind is Kind.REPLICATED:
+        return tuple(plan.tensor.shape[0] if plan.tensor.shape else 1 for _ in range(mesh.num_shard_groups))
+    return tuple(box[placement.shard_dim][1] for box in plan.boxes(mesh, stock=stock))
+
+
+def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
+    """Group tensors into families and compute the stock-vs-planned figures `reshard plan` prints."""
+    mesh = plan.mesh
+    families: dict[tuple, FamilySummary] = {}
+    counts: dict[tuple, int] = {}
+    stock_bytes = [0] * mesh.num_shard_groups
+    planned_bytes = [0] * mesh.num_shard_groups
+    empty = {"stock_tensors": 0, "planned_tensors": 0, "stock_ranks": set(), "planned_ranks": set()}
+    for tp in plan.tensors:
+        t = tp.tensor
+        key = (family_of(t.name), t.shape, t.dtype, tp.stock, tp.planned)
+        counts[key] = counts.get(key, 0) + 1
+        if key not in families:
+            families[key] = FamilySummary(key[0], t.role, 0, t.shape, t.dtype, tp.stock, tp.planned,
+                                          _rows(tp, mesh, True), _rows(tp, mesh, False))
+        fam = families[key]
+        if t.role is Role.EXPERT:
+            for f, box in enumerate(tp.boxes(mesh, stock=True)):
+                stock_bytes[f] += _nbytes(box, t.dtype)
+            for f, box in enumerate(tp.boxes(mesh)):
+                planned_bytes[f] += _nbytes(box, t.dtype)
+        if fam.stock_empty:
+            empty["stock_tensors"] += 1
+            empty["stock_ranks"].update(fam.stock_empty)
+        if fam.planned_empty:
+            empty["planned_tensors"] += 1
+            empty["planned_ranks"].update(fam.planned_empty)
+    out = [FamilySummary(**{**f.__dict__, "count": counts[k]}) for k, f in families.items()]
+
+    def ratio(values):
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean else 1.0
+
+    stats = {
+        "tensors": len(plan.tensors),
+        "expert_tensors": sum(1 for tp in plan.tensors if tp.tensor.role is Role.EXPERT),
+        "stock_empty_tensors": empty["stock_tensors"],
+        "stock_empty_ranks": sorted(empty["stock_ranks"]),
+        "planned_empty_tensors": empty["planned_tensors"],
+        "planned_empty_ranks": sorted(empty["planned_ranks"]),
+        "stock_expert_bytes_max": max(stock_bytes),
+        "stock_expert_bytes_mean": sum(stock_bytes) / len(stock_bytes),
+        "stock_expert_max_over_mean": ratio(stock_bytes),
+        "planned_expert_bytes_max": max(planned_bytes),
+        "planned_expert_bytes_mean": sum(planned_bytes) / len(planned_bytes),
+        "planned_expert_max_over_mean": ratio(planned_bytes),
+    }
+    return out, stats
