@@ -114,3 +114,93 @@ def plan(src, mesh, mode, revision, as_json):
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="reshard")
+
+
+def _parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in units:
+        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000.")
+    return int(float(m.group(1)) * units[m.group(2).upper()])
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return _parse_size(value)
+        except click.BadParameter as e:
+            self.fail(e.message, param, ctx)
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("out", type=click.Path(file_okay=False))
+@mesh_options
+@layout_option
+@revision_option
+@click.option("--max-shard-size", type=SizeType(), default=None,
+              help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def write(src, out, mesh, mode, revision, max_shard_size, overwrite, quiet):
+    """Write SRC as per-rank shard files for the mesh into OUT, plus reshard.json.
+
+    Every rank gets its own file (replicas share them): a non-empty slice of every tensor, or an explicit empty
+    marker where no even split exists. Bytes are copied exactly (no dtype change); fused experts are composed
+    from per-expert keys slice by slice. OUT appears only when complete; an interrupted write leaves nothing.
+    Non-weight files (config, tokenizer, ...) are copied as they are.
+
+    \b
+    Example:
+      reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
+    """
+    from .api import write_checkpoint
+
+    manifest = write_checkpoint(src, out, mesh, mode=mode, revision=revision, overwrite=overwrite,
+                                max_shard_size=max_shard_size, progress=False if quiet else None)
+    total = sum(f["bytes"] for f in manifest["files"])
+    empty = sum(len(c["empty"]) for c in manifest["coords"])
+    click.echo(f"wrote {out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, {len(manifest['tensors'])} "
+               f"tensors, {empty} explicit empty marker(s); load with "
+               f"{plan_mesh_repr(manifest)} or reshard.from_pretrained({out!r}).")
+
+
+def plan_mesh_repr(manifest: dict) -> str:
+    from .mesh import MeshSpec
+
+    return MeshSpec(**manifest["mesh"]).distributed_config_repr()
+
+
+@cli.command(name="verify")
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option("--against", "against", default=None, help="The source checkpoint: compare every byte with it.")
+@revision_option
+@click.option("--no-checksums", is_flag=True, help="Skip recomputing each file's CRC-32 (faster, less thorough).")
+def verify_command(out, against, revision, no_checksums):
+    """Prove OUT complete and exact: files vs manifest, coverage, empty markers; with --against SRC, every byte.
+
+    Prints one line per problem and exits 1 if there is any.
+
+    \b
+    Example:
+      reshard verify ./mixtral-fsdp5 --against ./Mixtral-8x7B
+    """
+    from .errors import VerifyError
+    from .verify import verify
+
+    try:
+        summary = verify(out, against=against, revision=revision, checksums=not no_checksums)
+    except VerifyError as e:
+        for line in e.problems:
+            click.echo(f"FAIL {line}", err=True)
+        raise click.ClickException(f"{out}: {len(e.problems)} problem(s).") from e
+    click.echo(f"OK {out}: {summary['files']} files, {summary['tensors']} tensors, {summary['empty_markers']} "
+               f"explicit empty marker(s), every tensor covered exactly once"
+               + (f", {summary['bytes_compared']} bytes equal to {against}" if against else "") + ".")

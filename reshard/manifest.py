@@ -1,0 +1,99 @@
+"""The output format: per-coordinate safetensors files in the distributed-checkpoint layout, and `reshard.json`.
+
+Files are named `shard-SSSSS-model-PPPPP-of-NNNNN.safetensors`: `SSSSS` is the 1-based fsdp coordinate (ranks
+`c, c + fsdp, ...` of each replica read it), `PPPPP-of-NNNNN` the part among that coordinate's files. This is the
+pattern transformers 5.23 recognises as a distributed checkpoint (`distributed/checkpoint.py`), and each header's
+`__metadata__` carries what torch's `HuggingFaceStorageReader` needs: `DCP_SHARDING_INFO` (per tensor
+`saved_offsets`), `DCP_VERSION` and `format`. The names mirror a private PyTorch module, so they are our own
+constants here, pinned by a golden test.
+
+An empty local shard is written as an explicit zero-size tensor whose offset is the dim's size (torch's
+convention for empty shards) and listed in the manifest's `empty` per coordinate: nothing is silently missing.
+
+Persistent buffers are not sharded by FSDP: they are written once, in coordinate 1's first file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import VerifyError
+from .mesh import MeshSpec
+
+MANIFEST_NAME = "reshard.json"
+MANIFEST_FORMAT = "reshard"
+MANIFEST_VERSION = 1
+SHARD_FILE = "shard-{coord:05d}-model-{part:05d}-of-{parts:05d}.safetensors"
+DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+DCP_VERSION_KEY = "DCP_VERSION"
+DCP_VERSION = "1.0"
+SAVED_OFFSETS_KEY = "saved_offsets"
+
+
+def shard_file_name(coord: int, part: int, parts: int) -> str:
+    """File name of part `part` (0-based) of `parts` for fsdp coordinate `coord` (0-based)."""
+    return SHARD_FILE.format(coord=coord + 1, part=part + 1, parts=parts)
+
+
+def dcp_metadata(offsets: dict[str, list[int]]) -> dict[str, str]:
+    """The safetensors `__metadata__` torch's HuggingFaceStorageReader reads chunk offsets from."""
+    info = {name: {SAVED_OFFSETS_KEY: list(off)} for name, off in offsets.items()}
+    return {DCP_SHARDING_INFO_KEY: json.dumps(info, separators=(",", ":")), DCP_VERSION_KEY: DCP_VERSION,
+            "format": "pt"}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """`reshard.json`, parsed. See README.md, "The manifest", for every field.
+
+    Attributes:
+        data: the whole JSON document.
+        path: the folder it was read from.
+    """
+
+    data: dict
+    path: Path
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return MeshSpec(**self.data["mesh"])
+
+    @property
+    def files(self) -> list[dict]:
+        return self.data["files"]
+
+    def files_of_rank(self, rank: int) -> list[str]:
+        """The files rank `rank` reads its shards from (its coordinate's files)."""
+        coord = self.mesh.shard_index(rank)
+        return [f["name"] for f in self.files if f["coord"] == coord]
+
+    def empty_of_rank(self, rank: int) -> list[str]:
+        return list(self.data["coords"][self.mesh.shard_index(rank)]["empty"])
+
+
+def read_manifest(folder: str | Path) -> Manifest:
+    """Read and sanity-check `reshard.json` in `folder`.
+
+    Raises:
+        VerifyError: the manifest is missing, not JSON, or of an unknown format/version.
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise VerifyError([f"{path}: no manifest; this folder was not written by `reshard write` (or the write "
+                           "did not finish). Write it again."]) from e
+    except (OSError, ValueError) as e:
+        raise VerifyError([f"{path}: unreadable manifest ({e})."]) from e
+    if data.get("format") != MANIFEST_FORMAT or data.get("version") != MANIFEST_VERSION:
+        raise VerifyError([f"{path}: format {data.get('format')!r} version {data.get('version')!r}; this reshard "
+                           f"reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}."])
+    return Manifest(data, folder)
+
+
+def dump_manifest(data: dict) -> str:
+    """Deterministic JSON: sorted keys, two-space indent, trailing newline."""
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,406 @@
+"""Meta-device materialization that leaves real tensors alone.
+
+`torch.nn.Module.to_empty(device=...)` replaces *every* parameter and buffer with uninitialized memory, including
+buffers a model deliberately created off the meta device (a router's zero-filled `expert_bias` made with an explicit
+`device=` inside `with torch.device("meta"):`). `reset_parameters()` / `init_weights()` usually re-initialize only
+parameters, so such a buffer keeps whatever the allocator had there: garbage, often NaN on a reused CUDA block.
+
+`materialize_meta_` allocates only tensors that are actually on the meta device. `meta_only_to_empty` and
+`patch_to_empty` swap it in for `nn.Module.to_empty` so that third-party code calling `to_empty` (megatron-fsdp's meta
+init, FSDP2 recipes, torchtitan) gets the same behaviour; `patch_megatron_fsdp` does that after a version check, and
+`check_buffers` finds the damage when it already happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import re
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = [
+    "MaterializeReport",
+    "check_buffers",
+    "materialize_meta_",
+    "meta_only_to_empty",
+    "patch_megatron_fsdp",
+    "patch_to_empty",
+    "unpatch_to_empty",
+]
+
+# megatron-fsdp releases whose meta-init path we have read: `m.to_empty(device=self.device, recurse=False)` followed
+# by `m.reset_parameters()` in `megatron_fsdp/param_and_grad_buffer.py`. Other minors may have moved that call.
+MEGATRON_FSDP_KNOWN_VERSION = "0.6.1"
+_MEGATRON_FSDP_SUPPORTED_MINOR = (0, 6)
+
+
+@dataclass(frozen=True)
+class MaterializeReport:
+    """What `materialize_meta_` did.
+
+    Each distinct tensor object appears once, under the first qualified name it is reachable by (the same
+    de-duplication as `named_parameters()` / `named_buffers()`), so a tied weight is counted once.
+
+    Attributes:
+        materialized: names of meta tensors that were given (uninitialized) storage on the target device.
+        kept: names of tensors that were not on the meta device and were left exactly as they were.
+    """
+
+    materialized: tuple[str, ...]
+    kept: tuple[str, ...]
+
+    def __str__(self) -> str:
+        text = f"materialized {len(self.materialized)} meta tensor(s), kept {len(self.kept)} non-meta tensor(s)"
+        if self.kept:
+            shown = ", ".join(self.kept[:8])
+            more = f", ... ({len(self.kept) - 8} more)" if len(self.kept) > 8 else ""
+            text += f" (kept: {shown}{more})"
+        return text
+
+
+def _new_parameter(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """A parameter holding `data` that looks like `old`: same class, `requires_grad` and Python attributes."""
+    cls = type(old)
+    if isinstance(cls, type) and issubclass(cls, nn.Parameter):
+        try:
+            new = cls(data, requires_grad=old.requires_grad)
+        except TypeError:
+            # A subclass whose __new__ takes other arguments: build it the way nn.Parameter.__new__ does.
+            new = torch.Tensor._make_subclass(cls, data, old.requires_grad)
+    else:
+        # A tensor subclass flagged as a parameter (e.g. an FSDP2 DTensor): nn.Parameter keeps its type.
+        new = nn.Parameter(data, requires_grad=old.requires_grad)
+    # Frameworks hang flags on parameters (tensor-parallel attributes, `_is_param`); stock to_empty drops them.
+    new.__dict__.update(old.__dict__)
+    return new
+
+
+def _materialize_parameter(old: torch.Tensor, device: torch.device | str | int) -> torch.Tensor:
+    with torch.no_grad():
+        data = torch.empty_like(old, device=device)
+    grad = old.grad
+    new = _new_parameter(old, data)
+    if grad is not None:
+        new.grad = torch.empty_like(grad, device=device) if grad.is_meta else grad
+    # Wrapper subclasses (DTensor under FSDP2) are owned by objects that keep a reference to the parameter, so, like
+    # nn.Module._apply, swap the new contents into the old object instead of replacing it; honour torch's opt-in too.
+    if is_traceable_wrapper_subclass(data) or torch.__future__.get_swap_module_params_on_conversion():
+        if grad is not None:
+            old.grad = None  # an accessed .grad holds a second reference, which swap_tensors refuses
+        torch.utils.swap_tensors(old, new)
+        return old
+    return new
+
+
+def materialize_meta_(
+    module: nn.Module, device: torch.device | str | int, *, recurse: bool = True
+) -> MaterializeReport:
+    """Give storage on `device` to the meta tensors of `module`, in place, leaving every other tensor untouched.
+
+    A drop-in for `module.to_empty(device=device, recurse=recurse)` that does not clobber parameters or buffers
+    created off the meta device on purpose (for example a zero-filled router `expert_bias` made with an explicit
+    `device=` inside `with torch.device("meta"):`). Differences from `to_empty`, all deliberate:
+
+    - non-meta tensors stay the same object with the same values;
+    - a parameter registered in several places (tied weights) is materialized once and stays shared;
+    - a parameter keeps its class (`nn.Parameter` subclass), `requires_grad` and Python attributes.
+
+    Materialized tensors are uninitialized, exactly as with `to_empty`; run the model's own initialization next.
+
+    Args:
+        module: the module to materialize in place.
+        device: where the meta tensors get their storage, e.g. `"cpu"`, `"cuda:0"`, `torch.device("cuda", 1)`.
+        recurse: when False, only the module's own parameters and buffers are handled, not its submodules'
+            (the meaning of `to_empty(recurse=False)`).
+
+    Returns:
+        A `MaterializeReport` naming the tensors that were materialized and the ones that were kept.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from reshard.materialize import materialize_meta_
+    >>> with torch.device("meta"):
+    ...     gate = torch.nn.Linear(8, 4, bias=False)
+    ...     gate.register_buffer("expert_bias", torch.zeros(4, device="cpu"))
+    >>> report = materialize_meta_(gate, "cpu")
+    >>> report.materialized, report.kept
+    (('weight',), ('expert_bias',))
+    >>> gate.expert_bias
+    tensor([0., 0., 0., 0.])
+
+    ```
+    """
+    modules = module.named_modules() if recurse else [("", module)]
+    # id -> (original, replacement); holding the original keeps its id from being reused during the walk.
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    materialized: list[str] = []
+    kept: list[str] = []
+    for prefix, mod in modules:
+        for slots, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for key, tensor in slots.items():
+                if tensor is None:
+                    continue
+                if id(tensor) in memo:
+                    slots[key] = memo[id(tensor)][1]
+                    continue
+                name = f"{prefix}.{key}" if prefix else key
+                if not tensor.is_meta:
+                    memo[id(tensor)] = (tensor, tensor)
+                    kept.append(name)
+                    continue
+                if is_param:
+                    new = _materialize_parameter(tensor, device)
+                else:
+                    new = torch.empty_like(tensor, device=device)
+                memo[id(tensor)] = (tensor, new)
+                slots[key] = new
+                materialized.append(name)
+    return MaterializeReport(materialized=tuple(materialized), kept=tuple(kept))
+
+
+# --- making nn.Module.to_empty meta-only -----------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_depth = 0  # open meta_only_to_empty() blocks
+_explicit = False  # patch_to_empty() was called
+_original_to_empty = None  # what nn.Module.to_empty was before we installed ours
+
+
+def _meta_only_to_empty(self: nn.Module, *, device: torch.device | str | int | None, recurse: bool = True) -> nn.Module:
+    """Meta-only `nn.Module.to_empty`, installed by reshard: only meta tensors are reallocated on `device`.
+
+    Tensors that already have storage are kept as they are; see `reshard.materialize.materialize_meta_`.
+    """
+    if device is None:
+        # Stock to_empty(device=None) reallocates each tensor on its own device: meta stays meta, so with real
+        # tensors kept there is nothing left to do.
+        return self
+    materialize_meta_(self, device, recurse=recurse)
+    return self
+
+
+_meta_only_to_empty.__reshard_meta_only__ = True
+
+
+def _sync_patch() -> None:
+    """Install or remove the meta-only to_empty so it is active exactly while someone asks for it. Hold `_lock`."""
+    global _original_to_empty
+    wanted = _explicit or _depth > 0
+    current = nn.Module.to_empty
+    if wanted and _original_to_empty is None:
+        _original_to_empty = current
+        nn.Module.to_empty = _meta_only_to_empty
+    elif not wanted and _original_to_empty is not None:
+        if current is not _meta_only_to_empty:
+            # Someone wrapped or replaced ours meanwhile; putting the original back would silently drop their patch.
+            warnings.warn(
+                "torch.nn.Module.to_empty was replaced by other code while reshard's meta-only version was "
+                "installed; leaving the current one in place",
+                stacklevel=3,
+            )
+        else:
+            nn.Module.to_empty = _original_to_empty
+        _original_to_empty = None
+
+
+@contextlib.contextmanager
+def meta_only_to_empty() -> Iterator[None]:
+    """Make `torch.nn.Module.to_empty` meta-only for the duration of the block.
+
+    Inside the block every `module.to_empty(device=..., recurse=...)` call, including ones made by libraries,
+    behaves like `materialize_meta_`: only meta tensors get new storage, and the module is returned. The original
+    method is restored on exit, also when the block raises. Blocks may nest, also across threads; the method is
+    restored when the outermost one exits (and stays patched if `patch_to_empty()` is in force).
+
+    The patch is process-wide: other threads calling `to_empty` while a block is open get the meta-only version.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from reshard.materialize import meta_only_to_empty
+    >>> with torch.device("meta"):
+    ...     gate = torch.nn.Linear(8, 4, bias=False)
+    ...     gate.register_buffer("expert_bias", torch.zeros(4, device="cpu"))
+    >>> with meta_only_to_empty():
+    ...     gate = gate.to_empty(device="cpu")
+    >>> gate.expert_bias
+    tensor([0., 0., 0., 0.])
+
+    ```
+    """
+    global _depth
+    with _lock:
+        _depth += 1
+        try:
+            _sync_patch()
+        except BaseException:
+            _depth -= 1
+            raise
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            _sync_patch()
+
+
+def patch_to_empty() -> None:
+    """Make `torch.nn.Module.to_empty` meta-only until `unpatch_to_empty()`; calling it again does nothing.
+
+    Use this when the `to_empty` call happens somewhere a `with meta_only_to_empty():` block cannot reach (inside
+    a library's constructor spread over your setup code).
+
+    Example:
+
+    ```python
+    >>> from reshard.materialize import patch_to_empty, unpatch_to_empty
+    >>> patch_to_empty()
+    >>> # ... build and shard the model: every to_empty() now keeps real tensors ...
+    >>> unpatch_to_empty()
+
+    ```
+    """
+    global _explicit
+    with _lock:
+        _explicit = True
+        _sync_patch()
+
+
+def unpatch_to_empty() -> None:
+    """Undo `patch_to_empty()`; calling it again, or without a patch, does nothing.
+
+    Open `meta_only_to_empty()` blocks keep the meta-only method until they exit.
+    """
+    global _explicit
+    with _lock:
+        _explicit = False
+        _sync_patch()
+
+
+# --- megatron-fsdp ---------------------------------------------------------------------------------------------------
+
+
+def _distribution_version(name: str) -> str:
+    """The installed version of distribution `name` (a seam for tests)."""
+    return importlib.metadata.version(name)
+
+
+def patch_megatron_fsdp() -> bool:
+    """Keep megatron-fsdp's meta-device init from wiping buffers that were created off the meta device.
+
+    megatron-fsdp 0.6.x (with `init_model_with_meta_device=True`) calls `m.to_empty(device=..., recurse=False)` and
+    then `m.reset_parameters()` on each module with meta parameters, so a real buffer on such a module (a router's
+    zero `expert_bias`) is replaced by uninitialized memory and never re-filled. This installs the meta-only
+    `to_empty` process-wide (`patch_to_empty()`), which megatron-fsdp's call then picks up. Calling it again does
+    nothing more; undo it with `unpatch_to_empty()`.
+
+    Returns:
+        True when the patch is in force; False when megatron-fsdp is not installed (a warning says so and nothing
+        is changed).
+
+    Raises:
+        ReshardError: megatron-fsdp is installed but its version is not one whose meta-init path this patch was
+            checked against.
+
+    Example:
+
+    ```python
+    >>> import reshard
+    >>> # before megatron_fsdp.fully_shard_model(..., init_model_with_meta_device=True):
+    >>> reshard.patch_megatron_fsdp()  # doctest: +SKIP
+    True
+
+    ```
+    """
+    from reshard.errors import ReshardError
+
+    try:
+        megatron_fsdp = importlib.import_module("megatron_fsdp")
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == "megatron_fsdp":
+            reason = "megatron-fsdp is not installed"
+        else:
+            reason = f"megatron_fsdp failed to import ({e})"
+        warnings.warn(f"{reason}; patch_megatron_fsdp() changed nothing", stacklevel=2)
+        return False
+
+    try:
+        version = _distribution_version("megatron-fsdp")
+    except importlib.metadata.PackageNotFoundError:
+        # Imported from a source tree (Megatron-LM's megatron/core/distributed/fsdp/src) without package metadata.
+        version = getattr(megatron_fsdp, "__version__", None)
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    if match is None or (int(match[1]), int(match[2])) != _MEGATRON_FSDP_SUPPORTED_MINOR:
+        supported = ".".join(map(str, _MEGATRON_FSDP_SUPPORTED_MINOR)) + ".x"
+        raise ReshardError(
+            f"megatron-fsdp {version or '(unknown version)'} is not supported by patch_megatron_fsdp(): it was "
+            f"checked against megatron-fsdp {supported} (known good: {MEGATRON_FSDP_KNOWN_VERSION}). Install "
+            f"megatron-fsdp=={MEGATRON_FSDP_KNOWN_VERSION}, or check that this version still materializes meta "
+            "modules with `to_empty` and, if so, call reshard.patch_to_empty() yourself."
+        )
+    patch_to_empty()
+    return True
+
+
+# --- detecting the damage --------------------------------------------------------------------------------------------
+
+
+def check_buffers(module: nn.Module, *, warn: bool = True) -> list[str]:
+    """Name the floating-point buffers and parameters of `module` that hold NaN or infinite values.
+
+    Run it after initialization (or after loading a checkpoint) to catch buffers that a stock `to_empty` left
+    uninitialized. Meta tensors have no values and are skipped.
+
+    Args:
+        module: the module to scan, recursively.
+        warn: when True and something is found, emit one `UserWarning` naming each tensor with its count of
+            non-finite values.
+
+    Returns:
+        Qualified names of the tensors with non-finite values, buffers first, in module order; empty when clean.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from reshard.materialize import check_buffers
+    >>> gate = torch.nn.Linear(8, 4, bias=False)
+    >>> gate.register_buffer("expert_bias", torch.full((4,), float("nan")))
+    >>> check_buffers(gate, warn=False)
+    ['expert_bias']
+
+    ```
+    """
+    bad: list[str] = []
+    lines: list[str] = []
+    named = [*module.named_buffers(), *module.named_parameters()]
+    seen: set[int] = set()
+    for name, tensor in named:
+        if id(tensor) in seen or tensor.is_meta or not (tensor.is_floating_point() or tensor.is_complex()):
+            continue
+        seen.add(id(tensor))
+        data = tensor.detach()
+        if hasattr(data, "to_local"):  # DTensor: check this rank's shard, without a collective
+            data = data.to_local()
+        count = int((~torch.isfinite(data)).sum())
+        if count:
+            bad.append(name)
+            lines.append(f"{name}: {count} of {data.numel()} values are not finite")
+    if warn and bad:
+        warnings.warn(
+            f"{len(bad)} tensor(s) hold non-finite values (uninitialized memory after to_empty?):\n"
+            + "\n".join(lines),
+            stacklevel=2,
+        )
+    return bad

@@ -1,0 +1,364 @@
+"""Stream a checkpoint into per-coordinate shard files, atomically, copying bytes exactly.
+
+No tensor is ever materialized: each output chunk is a list of byte runs copied from the source files (a run is
+a stretch that is contiguous both in the source tensor and in the output chunk), so gate and up rows are fused
+into `gate_up_proj`, and a chunk split on dim 1 is gathered, by copying bytes. Peak memory is one copy buffer.
+Files are written into a temporary folder beside OUT, fsynced, the manifest written last, and the folder renamed
+into place; any failure or interruption removes the temporary folder.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+from .checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry
+from .errors import OutputError
+from .layout import TargetTensor
+from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest, shard_file_name
+from .plan import Box, Kind, ReshardPlan, box_is_empty
+
+COPY_BUFFER_BYTES = 16 << 20
+TMP_MARK = ".reshard-tmp-"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A byte range copied from a source file into an output chunk."""
+
+    file: str
+    src: int  # absolute offset in the source file
+    dst: int  # offset inside the output chunk
+    nbytes: int
+
+
+def _strides(shape) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def chunk_runs(tensor: TargetTensor, box: Box, entries: dict[str, TensorEntry]) -> list[Run]:
+    """The byte runs that build `tensor`'s chunk `box` from its on-disk pieces, in output order.
+
+    Args:
+        tensor: the in-memory tensor and its pieces.
+        box: the chunk, `(offset, length)` per dim in global coordinates.
+        entries: the source tensors by on-disk key.
+
+    Returns:
+        Runs sorted by output offset that tile the chunk's bytes exactly once.
+    """
+    if box_is_empty(box):
+        return []
+    itemsize = DTYPE_BITS[tensor.dtype] // 8
+    out_lengths = [length for _, length in box]
+    out_strides = _strides(out_lengths)
+    runs = []
+    for piece in tensor.pieces:
+        entry = entries[piece.source]
+        extent = tensor.piece_shape(piece, entry.shape)
+        lo = [max(b, o) for (b, _), o in zip(box, piece.offset)]
+        hi = [min(b + n, o + e) for (b, n), o, e in zip(box, piece.offset, extent)]
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        lengths = [h - l for l, h in zip(lo, hi)]
+        # the run covers dims k.. : every dim after k must be whole in the piece and in the chunk
+        k = len(lengths) - 1
+        while k > 0 and lengths[k] == extent[k] == out_lengths[k]:
+            k -= 1
+        run_elems = math.prod(lengths[k:])
+        src_strides = _strides(extent)
+        for prefix in itertools.product(*(range(n) for n in lengths[:k])):
+            idx = list(prefix) + [0] * (len(lengths) - k)
+            src_elem = sum((lo[j] + idx[j] - piece.offset[j]) * src_strides[j] for j in range(len(idx)))
+            dst_elem = sum((lo[j] + idx[j] - box[j][0]) * out_strides[j] for j in range(len(idx)))
+            runs.append(Run(entry.file, entry.data_start + src_elem * itemsize, dst_elem * itemsize,
+                            run_elems * itemsize))
+    runs.sort(key=lambda r: r.dst)
+    expected = math.prod(out_lengths) * itemsize
+    if sum(r.nbytes for r in runs) != expected:
+        raise AssertionError(f"{tensor.name}: runs cover {sum(r.nbytes for r in runs)} of {expected} bytes")
+    return runs
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One tensor's chunk in one output file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # the local shape (zeros for an empty marker)
+    offsets: tuple[int, ...]  # global offsets, torch's convention for empty chunks
+    nbytes: int
+
+
+def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, TargetTensor, Box]]:
+    """What fsdp coordinate `coord` stores: a chunk or an empty marker of every sharded tensor, and the
+    replicated tensors when `coord` is 0."""
+    out = []
+    for tp in plan.tensors:
+        if tp.planned.kind is Kind.REPLICATED and coord != 0:
+            continue
+        box = tp.boxes(plan.mesh)[coord] if tp.planned.kind is not Kind.REPLICATED else tuple(
+            (0, n) for n in tp.tensor.shape)
+        shape = tuple(length for _, length in box)
+        nbytes = math.prod(shape) * DTYPE_BITS[tp.tensor.dtype] // 8
+        out.append((ChunkSpec(tp.tensor.name, tp.tensor.dtype, shape, tuple(o for o, _ in box), nbytes),
+                    tp.tensor, box))
+    return out
+
+
+def split_parts(chunks: list, max_bytes: int | None) -> list[list]:
+    """Greedy split of one coordinate's chunks into files of at most `max_bytes` (a larger chunk gets its own)."""
+    if not max_bytes:
+        return [chunks]
+    parts, current, size = [], [], 0
+    for item in chunks:
+        if current and size + item[0].nbytes > max_bytes:
+            parts.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += item[0].nbytes
+    parts.append(current)
+    return parts
+
+
+def safetensors_header(chunks: list[ChunkSpec], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length prefix and JSON header for `chunks` laid out back to back, padded to 8 bytes."""
+    header: dict = {"__metadata__": metadata}
+    cursor = 0
+    for c in chunks:
+        header[c.name] = {"dtype": c.dtype, "shape": list(c.shape), "data_offsets": [cursor, cursor + c.nbytes]}
+        cursor += c.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class _Copier:
+    """Copies runs with one reusable buffer, keeping the output's CRC-32 and byte count."""
+
+    def __init__(self, index: CheckpointIndex, progress):
+        self.index = index
+        self.progress = progress
+        self.buffer = bytearray(COPY_BUFFER_BYTES)
+        self.sources: dict[str, int] = {}
+
+    def fd(self, file: str) -> int:
+        if file not in self.sources:
+            self.sources[file] = os.open(self.index.path_of(file), os.O_RDONLY)
+        return self.sources[file]
+
+    def copy(self, runs: list[Run], out, crc: int) -> int:
+        view = memoryview(self.buffer)
+        for run in runs:
+            fd, done = self.fd(run.file), 0
+            while done < run.nbytes:
+                n = min(run.nbytes - done, len(view))
+                got = os.preadv(fd, [view[:n]], run.src + done)
+                if got != n:
+                    raise OutputError(f"{run.file}: short read at byte {run.src + done}; the source file is "
+                                      "truncated or changed during the write.")
+                out.write(view[:n])
+                crc = zlib.crc32(view[:n], crc)
+                done += n
+                if self.progress is not None:
+                    self.progress.update(n)
+        return crc
+
+    def close(self):
+        for fd in self.sources.values():
+            os.close(fd)
+
+
+def _write_file(path: Path, items: list, copier: _Copier) -> dict:
+    specs = [spec for spec, _, _ in items]
+    header = safetensors_header(specs, dcp_metadata({s.name: list(s.offsets) for s in specs}))
+    with open(path, "wb") as out:
+        out.write(header)
+        crc = zlib.crc32(header)
+        for spec, tensor, box in items:
+            crc = copier.copy(chunk_runs(tensor, box, copier.index.tensors), out, crc)
+        out.flush()
+        os.fsync(out.fileno())
+    return {"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc:08x}",
+            "tensors": {s.name: {"shape": list(s.shape), "offsets": list(s.offsets)} for s in specs}}
+
+
+def _clean_stale_temporaries(out: Path) -> None:
+    """Remove temporaries of earlier writes to `out` whose process is gone (e.g. killed with SIGKILL)."""
+    for tmp in out.parent.glob(f".{out.name}{TMP_MARK}*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """Let SIGTERM unwind like Ctrl-C, so the temporary folder is removed."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLike, *, overwrite: bool = False,
+                 max_shard_size: int | None = None, progress: bool | None = None) -> dict:
+    """Write `plan` for the checkpoint `index` into the folder `out`.
+
+    Args:
+        plan: from `make_plan`.
+        index: the source checkpoint (local files: `read_checkpoint(..., need_data=True)`).
+        out: the output folder; must not exist unless `overwrite`.
+        max_shard_size: split each coordinate's data into files of at most this many bytes.
+        progress: show a byte progress bar (None: only on a terminal; False: never).
+
+    Returns:
+        The manifest document written to `out/reshard.json`.
+
+    Raises:
+        OutputError: `out` exists, is not writable, or the disk is full (nothing partial is left).
+        CheckpointError: the source is not available locally.
+
+    Example:
+        >>> write_shards(plan, read_checkpoint("ckpt", need_data=True), "ckpt-fsdp8")  # doctest: +SKIP
+    """
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise OutputError(f"{out} already exists. Pass --overwrite to replace it, or choose another folder.")
+    for file in index.files:
+        index.path_of(file.name)  # fails early for header-only (remote) sources
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale_temporaries(out)
+    mesh = plan.mesh
+    coords = [coordinate_chunks(plan, c) for c in range(mesh.num_shard_groups)]
+    total = sum(spec.nbytes for chunks in coords for spec, _, _ in chunks)
+    free = shutil.disk_usage(out.parent).free
+    if free < total:
+        raise OutputError(f"{out.parent}: {free / 2**30:.2f} GiB free, the output needs {total / 2**30:.2f} GiB. "
+                          "Free space or write elsewhere.")
+    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard write",
+               disable=None if progress is None else not progress)
+    copier = _Copier(index, bar)
+    try:
+        with _sigterm_as_interrupt():
+            tmp.mkdir()
+            files = []
+            for coord, chunks in enumerate(coords):
+                parts = split_parts(chunks, max_shard_size)
+                for part, items in enumerate(parts):
+                    entry = _write_file(tmp / shard_file_name(coord, part, len(parts)), items, copier)
+                    files.append({"coord": coord, **entry})
+            for name in index.other_files:
+                if name == MANIFEST_NAME:
+                    continue
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(index.root / name, tmp / name)
+            manifest = _manifest(plan, index, files, coords)
+            with open(tmp / MANIFEST_NAME, "w") as f:
+                f.write(dump_manifest(manifest))
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            _replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
+                              f"The output needs {total / 2**30:.2f} GiB.") from e
+        if isinstance(e, OutputError):
+            raise
+        raise OutputError(f"{out}: write failed ({e}); nothing was kept.") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        copier.close()
+        bar.close()
+    return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished folder into place; an existing `out` (with --overwrite) is swapped out, then removed."""
+    if out.exists():
+        trash = out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+        os.rename(out, trash)
+        os.rename(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+    _fsync_dir(out.parent)
+
+
+def _placement_dict(p) -> dict:
+    return {"kind": p.kind.value, "shard_dim": p.shard_dim, "degree": p.degree, "ep": p.ep,
+            "placements": p.describe()}
+
+
+def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict], coords: list) -> dict:
+    mesh = plan.mesh
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "tool": f"reshard {__version__}",
+        "source": {
+            "source": index.source,
+            "revision": index.revision,
+            "model_type": plan.layout.model_type,
+            "architecture": plan.layout.architecture,
+            "header_sha256": {f.name: f.digest for f in index.files},
+        },
+        "mesh": mesh.to_dict(),
+        "distributed_config": mesh.distributed_config_kwargs(),
+        "layout": plan.mode.value,
+        "tensors": {
+            tp.tensor.name: {"shape": list(tp.tensor.shape), "dtype": tp.tensor.dtype, "role": tp.tensor.role.value,
+                             "is_param": tp.tensor.is_param, "placement": _placement_dict(tp.planned),
+                             "stock_placement": _placement_dict(tp.stock)}
+            for tp in plan.tensors
+        },
+        "coords": [
+            {"coord": c, "ranks": [r * mesh.fsdp + c for r in range(mesh.dp_replicate)],
+             "files": [f["name"] for f in files if f["coord"] == c],
+             "empty": sorted(spec.name for spec, _, _ in chunks if 0 in spec.shape)}
+            for c, chunks in enumerate(coords)
+        ],
+        "files": files,
+    }

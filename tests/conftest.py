@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny generated checkpoints (cached per session) and a real multi-process gloo runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reshard.tiny import make_tiny_checkpoint
+
+HERE = Path(__file__).parent
+RANK_SCRIPTS = HERE / "ranks"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """`tiny(model_type, experts=None, fused=False, **overrides) -> Path`, generated once per session."""
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("tiny")
+
+    def make(model_type: str, *, experts: int | None = None, fused: bool = False, **overrides) -> Path:
+        key = (model_type, experts, fused, tuple(sorted(overrides.items())))
+        if key not in cache:
+            name = "-".join(str(k) for k in key[:3]) + "".join(f"-{k}{v}" for k, v in key[3])
+            cache[key] = make_tiny_checkpoint(model_type, root / name, experts=experts, fused=fused, **overrides)
+        return cache[key]
+
+    return make
+
+
+def run_ranks(script: str, nproc: int, *args: str, timeout: float = 180, env: dict | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """Run `tests/ranks/<script>` on `nproc` real gloo processes with torchrun, under a timeout.
+
+    A hang fails the test (the process group is killed at `timeout`) instead of freezing CI.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--monitor-interval=0.5", str(RANK_SCRIPTS / script), *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                **(env or {})}
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                                start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script} on {nproc} ranks did not finish within {timeout}s (hang?)\n"
+                    f"{(e.stdout or b'')[-4000:]!r}\n{(e.stderr or b'')[-4000:]!r}")
+    if check and result.returncode != 0:
+        pytest.fail(f"{script} on {nproc} ranks exited {result.returncode}\n{result.stdout[-3000:]}\n"
+                    f"{result.stderr[-6000:]}")
+    return result
+
+
+def rank_reports(folder: Path, nproc: int) -> list[dict]:
+    """The JSON each rank script wrote to `folder/rank{r}.json`."""
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
