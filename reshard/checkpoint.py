@@ -102,7 +102,7 @@ class CheckpointIndex:
         if self.root is None:
             raise CheckpointError(
                 f"{self.source}: only the headers are available (the files are not downloaded). Run "
-                f"`huggingface-cli download {self.source}` first, or pass a local folder.",
+                f"`hf download {self.source}` first, or pass a local folder.",
                 path=self.source,
             )
         return self.root / file
@@ -131,6 +131,9 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object; the file is corrupt.", path=file)
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{file}: the header's __metadata__ is not a string-to-string map; the file is corrupt.",
+                              path=file)
     entries = []
     for name, info in header.items():
         try:
@@ -138,10 +141,11 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: entry {name!r} lacks dtype, shape or data_offsets; the file is corrupt.",
                                   path=file) from e
-        if dtype not in DTYPE_BITS:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
             raise CheckpointError(f"{file}: entry {name!r} has dtype {dtype!r}, which safetensors does not know "
                                   f"(known: {', '.join(sorted(DTYPE_BITS))}).", path=file)
-        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (0 <= begin <= end):
+        ints = (*shape, begin, end)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in ints) or begin > end:
             raise CheckpointError(f"{file}: entry {name!r} has shape {list(shape)} and offsets [{begin}, {end}], "
                                   "which are not valid.", path=file)
         expected = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
@@ -173,7 +177,11 @@ def read_header(path: Path, *, name: str | None = None) -> FileHeader:
                 raise CheckpointError(f"{name}: the file has {size} bytes, too few for a safetensors header; it is "
                                       "truncated or not a safetensors file.", path=str(path))
             (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
+            if length > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{name}: the header length prefix says {length} bytes, over the "
+                                      f"{MAX_HEADER_BYTES}-byte cap safetensors allows; it is corrupt or not a "
+                                      "safetensors file.", path=str(path))
+            if 8 + length > size:
                 raise CheckpointError(f"{name}: the header length prefix says {length} bytes but the file has {size}; "
                                       "it is truncated or not a safetensors file.", path=str(path))
             raw = f.read(length)
@@ -190,8 +198,8 @@ def _inside(root: Path, path: Path) -> bool:
     return True
 
 
-def _checked_file_names(root: Path, index_path: Path) -> tuple[list[str], dict[str, str]]:
-    """Validate `model.safetensors.index.json` before trusting any name in it."""
+def _checked_file_names(root: Path, index_path: Path, link_root: Path) -> tuple[list[str], dict[str, str]]:
+    """Validate `model.safetensors.index.json` before trusting any name in it (links must stay in `link_root`)."""
     try:
         index = json.loads(index_path.read_text())
         weight_map = index["weight_map"]
@@ -210,7 +218,7 @@ def _checked_file_names(root: Path, index_path: Path) -> tuple[list[str], dict[s
         if not (root / name).exists():
             raise CheckpointError(f"{where}: the file does not exist. Download or copy the missing shard.",
                                   path=str(root / name))
-        if not _inside(root, root / name):
+        if not _inside(link_root, root / name):
             raise CheckpointError(f"{where}: the file is a link out of the checkpoint folder; refusing it.",
                                   path=str(root / name))
     return sorted(set(weight_map.values())), weight_map
@@ -242,10 +250,16 @@ def _index_tensors(files: list[FileHeader], weight_map: dict[str, str] | None, w
     return tensors
 
 
-def read_local(path: Path, *, source: str | None = None, revision: str | None = None) -> CheckpointIndex:
-    """Read a local folder (with or without an index) or a single `.safetensors` file."""
+def read_local(path: Path, *, source: str | None = None, revision: str | None = None,
+               link_root: Path | None = None) -> CheckpointIndex:
+    """Read a local folder (with or without an index) or a single `.safetensors` file.
+
+    Weight files that are links must resolve inside `link_root` (default: the folder itself; a Hub cache snapshot
+    links into its repo's `blobs/`).
+    """
     path = Path(path)
     source = source or str(path)
+    link_root = Path(link_root) if link_root is not None else path
     if path.is_file():
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: not a .safetensors file.", path=str(path))
@@ -258,11 +272,11 @@ def read_local(path: Path, *, source: str | None = None, revision: str | None = 
     index_path = path / INDEX_NAME
     weight_map = None
     if index_path.exists():
-        names, weight_map = _checked_file_names(path, index_path)
+        names, weight_map = _checked_file_names(path, index_path, link_root)
     else:
         names = sorted(p.name for p in path.glob("*.safetensors") if not p.name.startswith("shard-"))
         for name in names:
-            if not _inside(path, path / name):
+            if not _inside(link_root, path / name):
                 raise CheckpointError(f"{name}: the file is a link out of the checkpoint folder; refusing it.",
                                       path=str(path / name))
     if not names:
@@ -320,13 +334,15 @@ def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> Checkpo
         hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache" if offline
                 else "it could not be reached and is not in the local cache")
         raise CheckpointError(f"{repo_id}: {hint}. Download it once with network access "
-                              f"(`huggingface-cli download {repo_id}`), or pass a local folder.", path=repo_id) from e
+                              f"(`hf download {repo_id}`), or pass a local folder.", path=repo_id) from e
     except (RepositoryNotFoundError, HfHubHTTPError, OSError) as e:
         raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
                               "or pass a local folder.", path=repo_id) from e
     cached = list(root.glob("*.safetensors"))
     if need_data or cached:
-        return read_local(root, source=repo_id, revision=revision)
+        # the cache's snapshots/<commit>/ files are links to ../../blobs/: allow links inside the repo's cache folder
+        link_root = root.parents[1] if root.parent.name == "snapshots" else root
+        return read_local(root, source=repo_id, revision=revision, link_root=link_root)
     return _read_remote_headers(repo_id, revision, root)
 
 

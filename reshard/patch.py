@@ -1,0 +1,239 @@
+"""What reshard adds to transformers 5.23's distributed loading. Explicit and idempotent; nothing on import.
+
+1. Balanced placement: while a reshard folder with a balanced layout loads, FSDP2's `fully_shard` gets a
+   `shard_placement_fn` that shards each expert parameter on the dim the manifest names, so a rank's local
+   tensor is exactly the chunk in its file.
+2. Empty locals on the normal HF path: when every target of a converter is a DTensor whose local shard is empty on
+   this rank, the converter returns an empty local instead of stacking nothing (`torch.stack([])`) or slicing out
+   of range; the parameter is then flagged initialized like any loaded one, so no rank runs weight init alone.
+3. Meta-only materialization: `_move_missing_keys_from_meta_to_device` replaces only tensors still on `meta`; a
+   buffer created off-meta on purpose (a zero router bias) keeps its values.
+
+All hooks are private transformers API, so the supported version is pinned and checked.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+from contextlib import contextmanager
+
+from .errors import ReshardError
+
+SUPPORTED_TRANSFORMERS = "5.23."
+
+# The manifest of the reshard folder being loaded, set around `from_pretrained`.
+_active_manifest: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reshard_manifest", default=None)
+# Parameter object id -> qualified name, for the model whose FSDP plan is being applied.
+_param_names: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("reshard_params", default=None)
+
+_lock = threading.Lock()
+_originals: dict[tuple[object, str], object] = {}
+
+
+def _check_version():
+    import transformers
+
+    if not transformers.__version__.startswith(SUPPORTED_TRANSFORMERS):
+        raise ReshardError(
+            f"reshard's loader patch supports transformers {SUPPORTED_TRANSFORMERS}x (it hooks private functions); "
+            f"transformers {transformers.__version__} is installed. Install `transformers>=5.23,<5.24`."
+        )
+
+
+def _set(owner, name: str, value) -> None:
+    _originals.setdefault((owner, name), owner.__dict__[name])
+    setattr(owner, name, value)
+
+
+def is_patched() -> bool:
+    return bool(_originals)
+
+
+def patch_transformers() -> "_Unpatch":
+    """Install reshard's fixes into transformers (idempotent). Returns a context manager that undoes them.
+
+    After it, `AutoModelForCausalLM.from_pretrained(OUT, distributed_config=DistributedConfig(...))` loads a
+    reshard folder with balanced placement, empty locals handled, and only meta tensors materialized.
+
+    Raises:
+        ReshardError: the installed transformers is not the 5.23 series.
+
+    Example:
+        >>> with reshard.patch_transformers():  # doctest: +SKIP
+        ...     model = AutoModelForCausalLM.from_pretrained(out, distributed_config=config)
+    """
+    _check_version()
+    with _lock:
+        if not _originals:
+            import transformers.core_model_loading as cml
+            import transformers.distributed.fsdp as fsdp
+            import transformers.distributed.mixin as mixin
+            import transformers.modeling_utils as mu
+
+            _set(fsdp, "fully_shard", _wrap_fully_shard(fsdp.__dict__["fully_shard"]))
+            _set(mixin, "apply_fully_sharded_data_parallelism",
+                 _wrap_apply_fsdp(mixin.__dict__["apply_fully_sharded_data_parallelism"]))
+            for cls in (cml.WeightConverter, cml.WeightRenaming):
+                _set(cls, "convert", _wrap_convert(cls.__dict__["convert"]))
+            _set(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device", _move_only_meta_to_device)
+            _set(mu.PreTrainedModel, "from_pretrained", _wrap_from_pretrained(mu.PreTrainedModel.__dict__["from_pretrained"]))
+    return _Unpatch()
+
+
+def unpatch_transformers() -> None:
+    """Restore every function `patch_transformers` replaced (idempotent)."""
+    with _lock:
+        for (owner, name), original in _originals.items():
+            setattr(owner, name, original)
+        _originals.clear()
+
+
+class _Unpatch:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        unpatch_transformers()
+        return False
+
+
+@contextmanager
+def active_manifest(manifest: dict | None):
+    token = _active_manifest.set(manifest)
+    try:
+        yield
+    finally:
+        _active_manifest.reset(token)
+
+
+# ---- 1. balanced placement ------------------------------------------------------------------------------------
+
+def _wrap_apply_fsdp(original):
+    @functools.wraps(original)
+    def apply_fully_sharded_data_parallelism(model, *args, **kwargs):
+        token = _param_names.set({id(p): n for n, p in model.named_parameters()})
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            _param_names.reset(token)
+
+    return apply_fully_sharded_data_parallelism
+
+
+def _wrap_fully_shard(original):
+    @functools.wraps(original)
+    def fully_shard(module, *args, **kwargs):
+        manifest, names = _active_manifest.get(), _param_names.get()
+        if manifest is not None and names is not None and "shard_placement_fn" not in kwargs:
+            dims = {name: info["placement"]["shard_dim"] for name, info in manifest["tensors"].items()
+                    if info["placement"]["kind"] == "expert" or info["role"] == "expert"}
+            if any(d not in (None, 0) for d in dims.values()):
+                kwargs["shard_placement_fn"] = functools.partial(_placement_for, names=names, dims=dims)
+        return original(module, *args, **kwargs)
+
+    return fully_shard
+
+
+def _placement_for(param, *, names, dims):
+    from torch.distributed.tensor import Shard
+
+    dim = dims.get(names.get(id(param)))
+    return Shard(dim) if dim not in (None, 0) else None
+
+
+# ---- 2. empty locals on the normal path -----------------------------------------------------------------------
+
+def _empty_locals(converter, layer_name, model):
+    """Empty local tensors for every target if all of them are empty DTensors on this rank, else None."""
+    from transformers.distributed.utils import is_dtensor
+
+    if model is None:
+        return None
+    targets = list(converter.layer_targets) or [layer_name]
+    out = {}
+    for target in targets:
+        try:
+            ref = model.get_parameter_or_buffer(target)
+        except (AttributeError, KeyError):
+            return None
+        if not is_dtensor(ref) or ref._local_tensor.numel() != 0:
+            return None
+        import torch
+
+        mesh = ref.device_mesh
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+        out[target] = torch.empty(ref._local_tensor.shape, dtype=ref.dtype, device=device)
+    return out
+
+
+def _wrap_convert(original):
+    @functools.wraps(original)
+    def convert(self, layer_name, model=None, config=None, hf_quantizer=None, loading_info=None):
+        empty = _empty_locals(self, layer_name, model)
+        if empty is not None:
+            self.collected_tensors.clear()  # nothing of ours to stack: the pieces belong to other ranks
+            return empty
+        return original(self, layer_name, model=model, config=config, hf_quantizer=hf_quantizer,
+                        loading_info=loading_info)
+
+    return convert
+
+
+# ---- 3. meta-only materialization -----------------------------------------------------------------------------
+
+def _is_meta(tensor) -> bool:
+    return getattr(tensor, "_local_tensor", tensor).is_meta
+
+
+def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_quantizer):
+    """`PreTrainedModel._move_missing_keys_from_meta_to_device`, leaving tensors that are not on meta untouched."""
+    import torch
+    import transformers.modeling_utils as mu
+
+    original = _originals[(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device")]
+    if (mu.is_deepspeed_zero3_enabled() and hf_quantizer is None) or (
+            mu.is_fsdp_enabled() and not mu.is_local_dist_rank_0() and hf_quantizer is None):
+        return original(self, missing_keys, device_map, device_mesh, hf_quantizer)
+    tied = set(self.all_tied_weights_keys.keys())
+    for key in set(missing_keys) - tied:
+        param = self.get_parameter_or_buffer(key)
+        if not _is_meta(param):
+            continue
+        device = mu.get_device(device_map, key, valid_torch_device=True)
+        value = torch.empty_like(param, device=device)
+        if mu.is_dtensor(param):
+            local = torch.empty(param._local_tensor.shape, dtype=param.dtype, device=device)
+            value = torch.nn.Parameter(mu._dtensor_from_local_like(local, param), requires_grad=param.requires_grad)
+        mu._load_parameter_into_model(self, key, value)
+    for key, buffer in self.named_non_persistent_buffers():
+        if _is_meta(buffer):
+            device = mu.get_device(device_map, key, valid_torch_device=True)
+            mu._load_parameter_into_model(self, key, torch.empty_like(buffer, device=device))
+
+
+# ---- the manifest travels with from_pretrained ----------------------------------------------------------------
+
+def _wrap_from_pretrained(original):
+    func = original.__func__
+
+    @functools.wraps(func)
+    def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
+        from .manifest import MANIFEST_NAME
+
+        manifest = None
+        if pretrained_model_name_or_path is not None and _active_manifest.get() is None:
+            import json
+            import os
+
+            path = os.path.join(os.fspath(pretrained_model_name_or_path), MANIFEST_NAME)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    manifest = json.load(f)
+        if manifest is None:
+            return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+        with active_manifest(manifest):
+            return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    return classmethod(from_pretrained)

@@ -1,0 +1,74 @@
+"""Rank script: load a checkpoint on a gloo mesh and report what each rank got.
+
+usage: load_reshard.py MODE FOLDER SRC REPORT_DIR FSDP EP
+MODE: `reshard` (reshard.from_pretrained(FOLDER)) or `stock` (stock transformers on FOLDER, no patch).
+Each rank writes REPORT_DIR/rank{r}.json (or rank{r}.error.json with the exception) and exits non-zero on error.
+"""
+
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    mode, folder, src, report_dir, fsdp, ep = sys.argv[1:7]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report = {"rank": rank}
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        config = DistributedConfig(fsdp_size=int(fsdp), **({"ep_size": int(ep)} if int(ep) > 1 else {}))
+        if mode == "reshard":
+            import reshard
+
+            model = reshard.from_pretrained(folder)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config)
+        reference = AutoModelForCausalLM.from_pretrained(src)
+        ref_state = reference.state_dict()
+        mismatched, uninitialized, local = [], [], {}
+        for name, tensor in model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if full.dtype != ref_state[name].dtype or not torch.equal(full, ref_state[name]):
+                mismatched.append(name)
+            local_tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local[name] = {"shape": list(local_tensor.shape), "bytes": local_tensor.numel() * local_tensor.element_size(),
+                           "placements": str(getattr(tensor, "placements", None))}
+        for name, param in model.named_parameters():
+            if not getattr(param, "_is_hf_initialized", False):
+                uninitialized.append(name)
+        ids = torch.tensor([[1, 5, 9, 33, 7, 2, 100, 42]])
+        with torch.no_grad():
+            logits = model(ids).logits
+            ref_logits = reference(ids).logits
+        report.update(mismatched=mismatched, uninitialized=uninitialized, local=local,
+                      logits_equal=bool(torch.equal(logits, ref_logits)),
+                      logits_max_abs_diff=float((logits - ref_logits).abs().max()))
+        # one training step: forward, backward, optimizer
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        report["loss"] = float(loss)
+        report["step_ok"] = math.isfinite(float(loss))
+    except BaseException as e:  # report everything: the test asserts on it
+        report["error"] = f"{type(e).__name__}: {e}"
+        report["traceback"] = traceback.format_exc()[-3000:]
+        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        os._exit(3)
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
