@@ -339,6 +339,11 @@ def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> Checkpo
         raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
                               "or pass a local folder.", path=repo_id) from e
     cached = list(root.glob("*.safetensors"))
+    if need_data and not cached:
+        why = ("HF_HUB_OFFLINE is set, so only what is already cached can be used" if offline
+               else "the repo may hold no safetensors weights")
+        raise CheckpointError(f"{repo_id}: the snapshot at {root} holds no .safetensors files ({why}). Download "
+                              f"them with `hf download {repo_id}`, or pass a local folder.", path=repo_id)
     if need_data or cached:
         # the cache's snapshots/<commit>/ files are links to ../../blobs/: allow links inside the repo's cache folder
         link_root = root.parents[1] if root.parent.name == "snapshots" else root

@@ -52,6 +52,7 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
     manifest = read_manifest(folder)
     data = manifest.data
     problems: list[str] = []
+    corrupt: list[str] = []  # CRC mismatches: the structure is still sound, so --against still compares bytes
     mesh = manifest.mesh
     tensors = data["tensors"]
     chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in tensors}
@@ -65,7 +66,7 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
             problems.append(f"{entry['name']}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
             continue
         if checksums and f"{_crc32(path):08x}" != entry["crc32"]:
-            problems.append(f"{entry['name']}: CRC-32 differs from the manifest (the file is corrupt)")
+            corrupt.append(f"{entry['name']}: CRC-32 differs from the manifest (the file is corrupt)")
         try:
             header = read_header(path)
         except ReshardError as e:
@@ -119,6 +120,7 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
     compared = 0
     if against is not None and not problems:
         compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems)
+    problems = corrupt + problems
     if problems:
         raise VerifyError(problems)
     return {"files": len(data["files"]), "tensors": len(tensors), "empty_markers": markers,

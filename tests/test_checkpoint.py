@@ -6,6 +6,7 @@ here reads tensor data, and nothing touches the network (Hub tests run offline a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -100,7 +101,6 @@ def test_header_length_and_digest_are_pinned(tmp_path):
     assert parsed.size == 8 + len(raw) + 8
     assert parsed.metadata == {"format": "pt"}
     assert parsed.tensors[0].data_start == 8 + len(raw)
-    import hashlib
     assert parsed.digest == hashlib.sha256(raw).hexdigest()
 
 
@@ -155,8 +155,7 @@ def test_folder_with_no_weights(tmp_path):
 ])
 def test_bad_index_entries(tmp_path, entry, fragment):
     root = sharded_folder(tmp_path / "ckpt")
-    outside = save_file({"c": torch.ones(5, dtype=torch.bfloat16)}, str(tmp_path / "x.safetensors"))
-    del outside
+    save_file({"c": torch.ones(5, dtype=torch.bfloat16)}, str(tmp_path / "x.safetensors"))  # ckpt/../x.safetensors
     if entry == "ABS":
         entry = str(tmp_path / "x.safetensors")  # an existing file: refused for its path, not for being missing
         assert os.path.isabs(entry)
@@ -289,11 +288,10 @@ def test_metadata_must_be_a_string_map(metadata):
         parse_header(json.dumps({"__metadata__": metadata}).encode(), file="bad.safetensors", file_size=None)
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=False) | st.text(max_size=4)
-                     | st.sampled_from(["F32", "BF16", "U8", "dtype", "shape", "data_offsets"]),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-                         st.sampled_from(["dtype", "shape", "data_offsets", "x", "__metadata__"]), inner, max_size=4),
-                     max_leaves=12)
+_scalars = (st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=False) | st.text(max_size=4)
+            | st.sampled_from(["F32", "BF16", "U8", "dtype", "shape", "data_offsets"]))
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["dtype", "shape", "data_offsets", "x", "__metadata__"]), inner, max_size=4), max_leaves=12)
 
 
 @settings(max_examples=300, deadline=None)
@@ -512,7 +510,16 @@ def test_hub_repo_not_cached_offline(offline_hub):
 
 def test_hub_repo_with_only_metadata_cached_offline(tmp_path, offline_hub):
     """A snapshot with config.json but no weights: plan would fetch headers remotely, which offline cannot."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
     folder = sharded_folder(tmp_path / "src")
     offline_hub("org/partial", [folder / "config.json"])
-    with pytest.raises(CheckpointError, match="org/partial"):
+    with pytest.raises(CheckpointError, match="org/partial.*offline mode") as info:
         read_checkpoint("org/partial")
+    assert isinstance(info.value.__cause__, OfflineModeIsEnabled)  # refused by huggingface-hub, not by our socket guard
+
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint("org/partial", need_data=True)
+    message = str(info.value)
+    assert "org/partial" in message and "no .safetensors files" in message and "HF_HUB_OFFLINE" in message
+    assert "hf download org/partial" in message

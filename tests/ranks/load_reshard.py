@@ -1,7 +1,8 @@
 """Rank script: load a checkpoint on a gloo mesh and report what each rank got.
 
 usage: load_reshard.py MODE FOLDER SRC REPORT_DIR FSDP EP
-MODE: `reshard` (reshard.from_pretrained(FOLDER)) or `stock` (stock transformers on FOLDER, no patch).
+MODE: `reshard` (reshard.from_pretrained(FOLDER)), `stock` (stock transformers on FOLDER, no patch) or `patched`
+(reshard.patch_transformers(), then transformers' own from_pretrained on FOLDER: e.g. an original checkpoint).
 Each rank writes REPORT_DIR/rank{r}.json (or rank{r}.error.json with the exception) and exits non-zero on error.
 """
 
@@ -30,6 +31,10 @@ def main():
 
             model = reshard.from_pretrained(folder)
         else:
+            if mode == "patched":
+                import reshard
+
+                reshard.patch_transformers()
             model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config)
         reference = AutoModelForCausalLM.from_pretrained(src)
         ref_state = reference.state_dict()

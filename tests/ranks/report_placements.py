@@ -4,13 +4,17 @@ DTensor placements, local shape and global offset as torch computes them.
 Usage (under torchrun, gloo on CPU): report_placements.py OUT REPORT_DIR FSDP EP
 
 Writes `REPORT_DIR/rank{r}.json`:
-    {"rank": r, "world": w, "params": {name: {"placements": [...], "mesh_dims": [...], "mesh_shape": [...],
-     "global_shape": [...], "local_shape": [...], "global_offset": [...], "initialized": bool}}}
+    {"rank": r, "world": w,
+     "params": {name: {"placements": [...], "mesh_dims": [...], "mesh_shape": [...], "global_shape": [...],
+                       "local_shape": [...], "global_offset": [...], "actual_local_shape": [...],
+                       "initialized": bool, "sha256": hex of the local tensor's bytes}},
+     "buffers": {name: {"dtensor": bool, "shape": [...], "sha256": ...}}}   (persistent buffers only)
 Nothing from reshard is imported: this is what stock transformers + torch do with the folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -28,6 +32,12 @@ def placement_name(p) -> str:
     if isinstance(p, Replicate):
         return "Replicate()"
     return repr(p)
+
+
+def digest(t) -> str:
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def main() -> None:
@@ -58,13 +68,18 @@ def main() -> None:
                 local_shape=list(shape),
                 global_offset=list(offset),
                 actual_local_shape=list(p.to_local().shape),
+                sha256=digest(p.to_local()),
             )
         else:
-            entry.update(placements=None, local_shape=list(p.shape), global_offset=[0] * p.dim())
+            entry.update(placements=None, local_shape=list(p.shape), global_offset=[0] * p.dim(), sha256=digest(p))
         params[name] = entry
+    persistent = set(model.state_dict())
+    buffers = {name: {"dtensor": isinstance(b, DTensor), "shape": list(b.shape),
+                      "sha256": digest(b.to_local() if isinstance(b, DTensor) else b)}
+               for name, b in model.named_buffers() if name in persistent}
     report_dir.mkdir(parents=True, exist_ok=True)
     tmp = report_dir / f".rank{rank}.json.tmp"
-    tmp.write_text(json.dumps({"rank": rank, "world": world, "params": params}, indent=1))
+    tmp.write_text(json.dumps({"rank": rank, "world": world, "params": params, "buffers": buffers}, indent=1))
     os.replace(tmp, report_dir / f"rank{rank}.json")
     dist.barrier()
     dist.destroy_process_group()

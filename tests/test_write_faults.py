@@ -1,0 +1,282 @@
+"""`reshard write` under faults: each one leaves no partial output and says what happened.
+
+"No partial output" means: OUT does not exist (or is untouched when it existed before), and no
+`.OUT.reshard-tmp-*` folder is left beside it. The one exception is SIGKILL, which no process can clean up after:
+the temporary folder may remain, but OUT must not appear, and the next write to OUT removes the stale folder.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import reshard.write as write_module
+from reshard.api import write_checkpoint
+from reshard.cli import cli
+from reshard.errors import CheckpointError, OutputError
+from reshard.mesh import MeshSpec
+from reshard.verify import verify
+
+REPO = Path(__file__).resolve().parents[1]
+MESH = MeshSpec(fsdp=4)
+
+
+def leftovers(out: Path) -> list[str]:
+    """Temporary folders of writes to `out` still beside it."""
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.reshard-tmp-*"))
+
+
+def assert_nothing_left(out: Path) -> None:
+    assert not out.exists(), f"{out} exists after a failed write"
+    assert leftovers(out) == [], f"temporary folders left: {leftovers(out)}"
+
+
+def copy_source(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def write_cli(*args: str):
+    return CliRunner().invoke(cli, ["write", *map(str, args), "-q"])
+
+
+# ---- the output folder -----------------------------------------------------------------------------------------
+
+def test_existing_output_is_refused_then_overwritten(tiny, tmp_path):
+    src = tiny("qwen3_moe", experts=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = write_cli(src, out, "--fsdp", "4")
+    assert result.exit_code == 1
+    assert "already exists" in result.output and "--overwrite" in result.output
+    assert "Traceback" not in result.output
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert leftovers(out) == []
+
+    result = write_cli(src, out, "--fsdp", "4", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert not (out / "keep.txt").exists() and (out / "reshard.json").exists()
+    assert leftovers(out) == []  # neither the temporary folder nor the swapped-out old OUT
+    verify(out, against=src)
+
+
+# ---- the source ------------------------------------------------------------------------------------------------
+
+def test_corrupt_source_header(tiny, tmp_path):
+    src = copy_source(tiny("qwen3_moe", experts=2), tmp_path / "src")
+    path = src / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:16] = b"#garble#"  # the JSON header now starts with garbage; the length prefix is intact
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as info:
+        write_checkpoint(src, out, MESH, progress=False)
+    assert "model.safetensors" in str(info.value) and "not valid JSON" in str(info.value)
+    assert_nothing_left(out)
+    result = write_cli(src, out, "--fsdp", "4")
+    assert result.exit_code == 1 and "model.safetensors" in result.output and "Traceback" not in result.output
+    assert_nothing_left(out)
+
+
+def two_file_source(src: Path, dest: Path) -> tuple[Path, list[str]]:
+    """`src` re-saved as two safetensors files plus `model.safetensors.index.json`."""
+    dest.mkdir()
+    with safe_open(src / "model.safetensors", framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    keys = sorted(tensors)
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    halves = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
+    for name, part in zip(names, halves):
+        save_file({k: tensors[k] for k in part}, dest / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, part in zip(names, halves) for k in part}}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    for other in ("config.json", "generation_config.json"):
+        shutil.copy2(src / other, dest / other)
+    return dest, names
+
+
+def test_missing_source_shard(tiny, tmp_path):
+    src, names = two_file_source(tiny("mixtral", experts=8), tmp_path / "src")
+    good = tmp_path / "good"
+    write_checkpoint(src, good, MESH, progress=False)  # the two-file source itself is fine
+    verify(good, against=src)
+    (src / names[1]).unlink()
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as info:
+        write_checkpoint(src, out, MESH, progress=False)
+    assert names[1] in str(info.value) and "does not exist" in str(info.value)
+    assert_nothing_left(out)
+    result = write_cli(src, out, "--fsdp", "4")
+    assert result.exit_code == 1 and names[1] in result.output and "Traceback" not in result.output
+    assert_nothing_left(out)
+
+
+# ---- the disk --------------------------------------------------------------------------------------------------
+
+def enospc():
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_disk_full_at_fsync(tiny, tmp_path, monkeypatch):
+    src = tiny("qwen3_moe", experts=2)
+    out = tmp_path / "out"
+    real_fsync, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:  # the first shard is complete, the second one fails
+            assert len(list(next(iter(tmp_path.glob(".out.reshard-tmp-*"))).iterdir())) == 2
+            raise enospc()
+        real_fsync(fd)
+
+    monkeypatch.setattr(write_module.os, "fsync", fsync)
+    with pytest.raises(OutputError) as info:
+        write_checkpoint(src, out, MESH, progress=False)
+    assert len(calls) == 2
+    assert "no space left" in str(info.value).lower()
+    assert_nothing_left(out)
+
+
+def test_disk_full_in_the_copy_loop(tiny, tmp_path, monkeypatch):
+    src = tiny("mixtral", experts=8)
+    out = tmp_path / "out"
+    real_copy, copies = write_module._Copier.copy, []
+
+    def copy(self, runs, dest, crc):
+        copies.append(len(runs))
+        if len(copies) == 30:  # well into the second file: some of its bytes are already written
+            dest.write(b"\0" * 100)
+            raise enospc()
+        return real_copy(self, runs, dest, crc)
+
+    monkeypatch.setattr(write_module._Copier, "copy", copy)
+    result = write_cli(src, out, "--fsdp", "5")
+    assert result.exit_code == 1
+    assert "no space left" in result.output.lower() and "Traceback" not in result.output
+    assert_nothing_left(out)
+
+
+def test_not_enough_free_space_is_refused_before_writing(tiny, tmp_path, monkeypatch):
+    src = tiny("qwen3_moe", experts=2)
+    out = tmp_path / "out"
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(write_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
+    with pytest.raises(OutputError) as info:
+        write_checkpoint(src, out, MESH, progress=False)
+    assert "GiB free" in str(info.value) and "needs" in str(info.value)
+    assert_nothing_left(out)
+
+
+# ---- interruptions: a real process, stopped after its first file ----------------------------------------------
+
+SLOW_WRITE = textwrap.dedent("""
+    import signal, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {repo!r})
+    # a shell may start background jobs with SIGINT ignored; a terminal's Ctrl-C raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import reshard.write as w
+    first_file_written = Path({marker!r})
+    stock_write_file = w._write_file
+
+    def slow_write_file(path, items, copier):
+        entry = stock_write_file(path, items, copier)
+        if not first_file_written.exists():
+            first_file_written.write_text(str(path))
+            time.sleep(120)  # the test signals it long before; teardown kills it otherwise
+        return entry
+
+    w._write_file = slow_write_file
+    from reshard.cli import main
+    sys.argv = ["reshard", "write", {src!r}, {out!r}, "--fsdp", "4", "-q"]
+    main()
+""")
+
+
+class SlowWriter:
+    def __init__(self, src: Path, out: Path):
+        self.out = out
+        self.marker = out.parent / f"{out.name}.first-file"
+        code = SLOW_WRITE.format(repo=str(REPO), marker=str(self.marker), src=str(src), out=str(out))
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def wait_for_first_file(self, timeout: float = 180) -> Path:
+        deadline = time.monotonic() + timeout
+        while not self.marker.exists():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the writer exited {self.proc.returncode} early: {self.proc.communicate()}")
+            if time.monotonic() > deadline:
+                pytest.fail("the writer did not finish its first file in time")
+            time.sleep(0.05)
+        first = Path(self.marker.read_text())
+        assert first.exists() and first.parent.name.startswith(f".{self.out.name}.reshard-tmp-")
+        assert not self.out.exists()
+        return first
+
+    def stop(self, sig: int) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"the writer did not stop within 30 s of signal {sig}")
+        return self.proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def slow_writers(tiny, tmp_path_factory):
+    """Three writers started at once (they spend most of their time importing), one per signal."""
+    src = tiny("qwen3_moe", experts=2)
+    root = tmp_path_factory.mktemp("interrupted")
+    writers = {}
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+        (root / sig.name).mkdir()
+        writers[sig] = SlowWriter(src, root / sig.name / "out")
+    yield src, writers
+    for writer in writers.values():
+        if writer.proc.poll() is None:
+            writer.proc.kill()
+            writer.proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_interrupted_write_leaves_nothing(slow_writers, sig):
+    _, writers = slow_writers
+    writer = writers[sig]
+    writer.wait_for_first_file()
+    code, err = writer.stop(sig)
+    assert code != 0
+    assert code == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert_nothing_left(writer.out)
+
+
+def test_killed_write_leaves_no_output_and_next_write_cleans_up(slow_writers):
+    src, writers = slow_writers
+    writer = writers[signal.SIGKILL]
+    first = writer.wait_for_first_file()
+    code, _ = writer.stop(signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert not writer.out.exists()
+    stale = leftovers(writer.out)
+    assert stale == [first.parent.name], "SIGKILL cannot be cleaned up after: the temporary folder should remain"
+    assert not (first.parent / "reshard.json").exists()
+    write_checkpoint(src, writer.out, MESH, progress=False)
+    assert leftovers(writer.out) == []
+    verify(writer.out, against=src)
