@@ -57,5 +57,13 @@ def make_tiny_checkpoint(model_type: str, path: str | Path, *, experts: int | No
             if tensor.is_floating_point() and "rotary" not in name and not torch.count_nonzero(tensor):
                 tensor.copy_(torch.randn(tensor.shape, dtype=torch.float32).to(tensor.dtype))
     path = Path(path)
-    model.save_pretrained(path, save_original_format=not fused)
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, save_original_format=not fused)
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
     return path

@@ -1,0 +1,311 @@
+"""Benchmark `reshard write` against `cp -r` on a generated per-expert BF16 checkpoint.
+
+    python bench/write.py                 # 8 GB checkpoint, 3 runs each
+    python bench/write.py --size-gb 2 --runs 5 --dir /mnt/fast
+
+What it does:
+
+1. Generates SRC: a `qwen3_moe` config (tensor shapes from transformers' own config and meta model) with enough
+   layers to reach `--size-gb`, written as raw safetensors files (`model-0000i-of-0000n.safetensors` +
+   `model.safetensors.index.json`) with per-expert keys, filled chunk by chunk with random bytes (no model is
+   built in RAM). `reshard plan SRC --fsdp 8` must accept it before anything is timed.
+2. Warms the page cache (reads SRC once), then alternates, `--runs` times each:
+   (a) `python -m reshard write SRC OUT --fsdp 8 -q` then `sync`,
+   (b) `cp -r SRC OUT2` then `sync`,
+   timing each whole process (startup and imports included) plus its `sync`; outputs are removed (and synced)
+   between runs, outside the timings.
+3. Reports the median ratio write / cp (target < 1.5, aim 1.15), write throughput (whole process, and steady-state
+   from the difference with a 4x smaller checkpoint of the same tensor sizes, which cancels the fixed start-up
+   cost), and peak RSS of the write process (`/usr/bin/time -v`, else `getrusage(RUSAGE_CHILDREN)`) at both sizes
+   (target: within 10%).
+
+`--profile` adds one in-process write under cProfile and prints where the time goes.
+Everything generated is deleted at the end unless `--keep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GB = 10**9
+CHUNK = 64 << 20  # bytes of random data generated at a time
+
+# Tensor sizes: hidden 2048, 64 experts of FFN 768 (BF16: 3 MiB per expert matrix); layers scale the size.
+BASE_CONFIG = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=64,
+                   num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                   vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096)
+
+
+def qwen3_moe_config(layers: int):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=layers, **BASE_CONFIG)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.dtype = "bfloat16"
+    return config
+
+
+def on_disk_tensors(config) -> list[tuple[str, tuple[int, ...]]]:
+    """The per-expert on-disk keys and shapes (`save_pretrained`'s original format) of `config`'s model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    out = []
+    for name, tensor in model.state_dict().items():
+        shape = tuple(tensor.shape)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            prefix, (experts, two_i, hidden) = name[: -len("gate_up_proj")], shape
+            for e in range(experts):
+                out.append((f"{prefix}{e}.gate_proj.weight", (two_i // 2, hidden)))
+                out.append((f"{prefix}{e}.up_proj.weight", (two_i // 2, hidden)))
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            prefix, (experts, hidden, inter) = name[: -len("down_proj")], shape
+            out.extend((f"{prefix}{e}.down_proj.weight", (hidden, inter)) for e in range(experts))
+        else:
+            out.append((name, shape))
+    return out
+
+
+def nbytes(shape) -> int:
+    n = 2
+    for d in shape:
+        n *= d
+    return n
+
+
+def layers_for(size_bytes: int) -> tuple[int, int]:
+    """Layers giving about `size_bytes`, and the bytes they give."""
+    one, two = (sum(nbytes(s) for _, s in on_disk_tensors(qwen3_moe_config(n))) for n in (1, 2))
+    per_layer, fixed = two - one, 2 * one - two
+    layers = max(1, round((size_bytes - fixed) / per_layer))
+    return layers, fixed + layers * per_layer
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], rng) -> None:
+    header, cursor = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in tensors:
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [cursor, cursor + nbytes(shape)]}
+        cursor += nbytes(shape)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, shape in tensors:
+            left = nbytes(shape)
+            while left:
+                n = min(left, CHUNK)
+                f.write(rng.integers(0, 2**63, size=(n + 7) // 8, dtype="uint64").tobytes()[:n])
+                left -= n
+
+
+def generate(root: Path, size_bytes: int, shard_bytes: int, seed: int = 0) -> tuple[Path, int]:
+    """Write a per-expert BF16 qwen3_moe checkpoint of about `size_bytes` into `root`; return it and its bytes."""
+    import numpy as np
+
+    layers, total = layers_for(size_bytes)
+    config = qwen3_moe_config(layers)
+    tensors = on_disk_tensors(config)
+    groups, current, size = [], [], 0
+    for name, shape in tensors:
+        if current and size + nbytes(shape) > shard_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append((name, shape))
+        size += nbytes(shape)
+    groups.append(current)
+    root.mkdir(parents=True)
+    config.save_pretrained(root)
+    rng = np.random.default_rng(seed)
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(root / name, group, rng)
+        weight_map.update({key: name for key, _ in group})
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return root, total
+
+
+def run_timed(cmd: list[str], *, env=None) -> tuple[float, int | None, str]:
+    """Run `cmd` then `sync`; return wall seconds (both), peak RSS in KiB of `cmd`, and its stderr."""
+    use_time = Path("/usr/bin/time").exists()
+    full = ["/usr/bin/time", "-v", *cmd] if use_time else cmd
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    result = subprocess.run(full, capture_output=True, text=True, env=env, cwd=REPO)
+    subprocess.run(["sync"], check=True)
+    wall = time.perf_counter() - start
+    if result.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    rss = None
+    if use_time:
+        m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)
+        rss = int(m.group(1)) if m else None
+    else:  # RUSAGE_CHILDREN's maximum over all children so far: valid when this is the largest child
+        after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        rss = after if after > before else None
+    return wall, rss, result.stderr
+
+
+def remove(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+        subprocess.run(["sync"], check=True)
+
+
+def warm(path: Path) -> None:
+    for p in sorted(path.iterdir()):
+        with open(p, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def check_plan(src: Path, fsdp: int) -> None:
+    result = subprocess.run([sys.executable, "-m", "reshard", "plan", str(src), "--fsdp", str(fsdp), "--json"],
+                            capture_output=True, text=True, env=env(), cwd=REPO)
+    if result.returncode:
+        raise SystemExit(f"reshard plan refused the generated checkpoint:\n{result.stderr}")
+    plan = json.loads(result.stdout)
+    print(f"  reshard plan: ok ({len(result.stdout)} bytes of plan JSON)", flush=True)
+    return plan
+
+
+def bench_write(src: Path, work: Path, fsdp: int) -> tuple[float, int | None]:
+    out = work / "out"
+    wall, rss, _ = run_timed([sys.executable, "-m", "reshard", "write", str(src), str(out), "--fsdp", str(fsdp), "-q"],
+                             env=env())
+    if not (out / "reshard.json").exists():
+        raise SystemExit("the write produced no manifest")
+    remove(out)
+    return wall, rss
+
+
+def bench_cp(src: Path, work: Path) -> float:
+    out = work / "out2"
+    wall, _, _ = run_timed(["cp", "-r", str(src), str(out)])
+    remove(out)
+    return wall
+
+
+def profile_write(src: Path, work: Path, fsdp: int) -> None:
+    import cProfile
+    import pstats
+
+    sys.path.insert(0, str(REPO))
+    from reshard.api import write_checkpoint
+    from reshard.mesh import MeshSpec
+
+    out = work / "out-profile"
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    write_checkpoint(src, out, MeshSpec(fsdp=fsdp), progress=False)
+    profiler.disable()
+    print(f"\nprofile: in-process write_checkpoint {time.perf_counter() - start:.2f} s", flush=True)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    remove(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=8.0, help="checkpoint size in GB (10^9 bytes)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs of each of write and cp")
+    parser.add_argument("--fsdp", type=int, default=8)
+    parser.add_argument("--shard-gb", type=float, default=2.0, help="source file size (GB)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: a temp folder)")
+    parser.add_argument("--no-small", action="store_true", help="skip the 4x smaller checkpoint")
+    parser.add_argument("--profile", action="store_true", help="also profile one in-process write")
+    parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
+    args = parser.parse_args()
+
+    base = args.dir or Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    size = int(args.size_gb * GB)
+    need = int(size * (1.25 if args.no_small else 1.5) * 2.1) + GB  # SRC (+ small SRC), OUT and OUT2 + margin
+    free = shutil.disk_usage(base).free
+    print(f"disk: {free / GB:.1f} GB free in {base}, need about {need / GB:.1f} GB", flush=True)
+    if free < need:
+        raise SystemExit(f"not enough free space in {base}: {free / GB:.1f} GB free, need {need / GB:.1f} GB")
+    work = Path(tempfile.mkdtemp(prefix="reshard-bench-", dir=base))
+    try:
+        results = {}
+        sizes = [("full", size)] + ([] if args.no_small else [("quarter", size // 4)])
+        for label, nbytes_wanted in sizes:
+            t = time.perf_counter()
+            src, total = generate(work / f"src-{label}", nbytes_wanted, int(args.shard_gb * GB))
+            layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+            print(f"[{label}] generated {total / GB:.2f} GB ({layers} layers, "
+                  f"{len(list(src.glob('*.safetensors')))} files) in {time.perf_counter() - t:.1f} s", flush=True)
+            check_plan(src, args.fsdp)
+            warm(src)
+            writes, cps, rss = [], [], []
+            runs = args.runs if label == "full" else max(1, min(args.runs, 2))
+            for i in range(runs):
+                w, r = bench_write(src, work, args.fsdp)
+                writes.append(w)
+                rss.append(r)
+                if label == "full":
+                    cps.append(bench_cp(src, work))
+                    print(f"  run {i + 1}: write {w:.2f} s, cp {cps[-1]:.2f} s, ratio {w / cps[-1]:.2f}, "
+                          f"write peak RSS {r / 1024 if r else float('nan'):.0f} MiB", flush=True)
+                else:
+                    print(f"  run {i + 1}: write {w:.2f} s, write peak RSS {r / 1024 if r else float('nan'):.0f} MiB",
+                          flush=True)
+            results[label] = {"bytes": total, "writes": writes, "cps": cps, "rss": rss}
+            if args.profile and label == "full":
+                profile_write(src, work, args.fsdp)
+            if not args.keep:
+                remove(src)
+
+        full = results["full"]
+        w, c = statistics.median(full["writes"]), statistics.median(full["cps"])
+        pair = statistics.median(a / b for a, b in zip(full["writes"], full["cps"]))
+        print("\nresults")
+        print(f"  checkpoint: {full['bytes'] / GB:.2f} GB, fsdp {args.fsdp}, {args.runs} runs each, warm page cache")
+        print(f"  write (whole process + sync): median {w:.2f} s  (runs {', '.join(f'{x:.2f}' for x in full['writes'])})")
+        print(f"  cp -r (+ sync):               median {c:.2f} s  (runs {', '.join(f'{x:.2f}' for x in full['cps'])})")
+        print(f"  ratio write/cp: {w / c:.2f} (median of pairs {pair:.2f}); target < 1.5, aim 1.15")
+        print(f"  write throughput, whole process: {full['bytes'] / w / GB:.2f} GB/s; cp: {full['bytes'] / c / GB:.2f} GB/s")
+        rss_full = max(r for r in full["rss"] if r) if any(full["rss"]) else None
+        if "quarter" in results:
+            q = results["quarter"]
+            wq = statistics.median(q["writes"])
+            if w > wq:
+                print(f"  write throughput, steady state (from the {q['bytes'] / GB:.2f} GB run): "
+                      f"{(full['bytes'] - q['bytes']) / (w - wq) / GB:.2f} GB/s; fixed cost about "
+                      f"{w - (full['bytes'] / ((full['bytes'] - q['bytes']) / (w - wq))):.2f} s")
+            rss_q = max(r for r in q["rss"] if r) if any(q["rss"]) else None
+            if rss_full and rss_q:
+                print(f"  write peak RSS: {rss_full / 1024:.0f} MiB at {full['bytes'] / GB:.2f} GB, {rss_q / 1024:.0f} MiB "
+                      f"at {q['bytes'] / GB:.2f} GB: {100 * (rss_full - rss_q) / rss_q:+.1f}% (target within 10%)")
+        elif rss_full:
+            print(f"  write peak RSS: {rss_full / 1024:.0f} MiB")
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

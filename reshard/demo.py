@@ -1,0 +1,113 @@
+"""`reshard demo`: the whole job on a tiny generated checkpoint whose stock layout leaves ranks empty."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import ReshardError
+
+
+def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=print, timeout: float = 300) -> dict:
+    """Generate a tiny MoE checkpoint, plan it, write it, load it on `ranks` gloo processes, verify it.
+
+    Args:
+        ranks: processes of the CPU load (the mesh is `--fsdp ranks`).
+        keep: keep the checkpoint and the output in this folder (default: a temporary folder, removed).
+        echo: where the report lines go.
+        timeout: seconds before the multi-rank load counts as hung.
+
+    Returns:
+        A summary with each rank's report.
+
+    Raises:
+        ReshardError: any step failed (the message says which and why).
+    """
+    from .api import plan_checkpoint, write_checkpoint
+    from .mesh import MeshSpec
+    from .report import render_plan
+    from .tiny import make_tiny_checkpoint
+    from .verify import verify
+
+    if ranks < 2:
+        raise ReshardError("--ranks must be at least 2 for a multi-rank load.")
+    started = time.monotonic()
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="reshard-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    src, out, reports = root / "tiny-qwen3-moe", root / f"tiny-qwen3-moe-fsdp{ranks}", root / "reports"
+    try:
+        experts = max(1, ranks // 2)
+        mesh = MeshSpec(fsdp=ranks)
+        echo(f"1/5 generating a tiny Qwen3-MoE checkpoint ({experts} experts, 2 layers) in {src}")
+        if not src.exists():
+            make_tiny_checkpoint("qwen3_moe", src, experts=experts)
+        echo(f"\n2/5 reshard plan {src.name} --fsdp {ranks}\n")
+        plan = plan_checkpoint(src, mesh)
+        echo(render_plan(plan, src.name))
+        echo(f"\n3/5 reshard write {src.name} {out.name} --fsdp {ranks}")
+        manifest = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
+        echo(f"    {len(manifest['files'])} files, {sum(len(c['empty']) for c in manifest['coords'])} explicit "
+             "empty marker(s)")
+        echo(f"\n4/5 loading on {ranks} CPU processes (gloo) with reshard.from_pretrained")
+        shutil.rmtree(reports, ignore_errors=True)
+        reports.mkdir()
+        _launch(ranks, out, src, reports, timeout)
+        per_rank = [json.loads((reports / f"rank{r}.json").read_text()) for r in range(ranks)]
+        echo(f"\n5/5 reshard verify {out.name} --against {src.name}")
+        summary = verify(out, against=src)
+        echo(f"    OK: {summary['tensors']} tensors covered exactly once, {summary['bytes_compared']} bytes equal "
+             "to the source")
+        _report(echo, plan, manifest, per_rank, ranks, time.monotonic() - started)
+        return {"ranks": per_rank, "manifest": manifest, "verify": summary, "folder": str(root)}
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "--monitor-interval=0.5", "-m", "reshard._demo_rank", str(out), str(src), str(reports)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise ReshardError(f"the {ranks}-rank load did not finish in {timeout:.0f} s: a hang. Output:\n"
+                           f"{(e.stderr or '')[-2000:]}") from e
+    errors = []
+    for r in range(ranks):
+        path = reports / f"rank{r}.json"
+        report = json.loads(path.read_text()) if path.exists() else {"error": "no report"}
+        if report.get("error") or report.get("mismatched") or report.get("uninitialized"):
+            errors.append(f"rank {r}: {report.get('error') or report}")
+    if result.returncode != 0 or errors:
+        raise ReshardError("the multi-rank load failed:\n" + "\n".join(errors) + "\n" + result.stderr[-2000:])
+
+
+def _report(echo, plan, manifest, per_rank, ranks, elapsed) -> None:
+    from .plan import summarize
+
+    _, stats = summarize(plan)
+    empty = stats["stock_empty_ranks"]
+    total = sum(f["bytes"] for f in manifest["files"])
+    echo("\nreport")
+    if empty:
+        echo(f"  stock transformers on this mesh: rank(s) {', '.join(map(str, empty))} get no expert rows; loading the "
+             "original checkpoint there fails in weight conversion (torch.stack of nothing) on CPU, and on CUDA the "
+             "empty ranks run weight init alone and hang in DTensor's RNG broadcast.")
+    else:
+        echo("  stock transformers on this mesh: no empty ranks.")
+    for report in per_rank:
+        shapes = sorted({tuple(s) for s in report["experts"].values()})
+        echo(f"  rank {report['rank']}: read {report['bytes']:>7} bytes from {', '.join(report['files']) or '-'}; "
+             f"expert locals {', '.join('x'.join(map(str, s)) for s in shapes)}; "
+             f"{report['tensors']} tensors equal to the single-process load")
+    share = sum(r["bytes"] for r in per_rank) / ranks
+    echo(f"  files total {total} bytes; the largest rank read {max(r['bytes'] for r in per_rank)} bytes of tensor "
+         f"data, {max(r['bytes'] for r in per_rank) / share:.2f}x an even 1/{ranks} share")
+    echo(f"  every tensor matched bit for bit on every rank; no empty rank, no hang. ({elapsed:.0f} s)")
