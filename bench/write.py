@@ -290,7 +290,7 @@ def main() -> None:
         if "quarter" in results:
             q = results["quarter"]
             wq = statistics.median(q["writes"])
-            if w > wq:
+            if w > wq and full["bytes"] > q["bytes"]:
                 print(f"  write throughput, steady state (from the {q['bytes'] / GB:.2f} GB run): "
                       f"{(full['bytes'] - q['bytes']) / (w - wq) / GB:.2f} GB/s; fixed cost about "
                       f"{w - (full['bytes'] / ((full['bytes'] - q['bytes']) / (w - wq))):.2f} s")

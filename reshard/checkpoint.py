@@ -229,9 +229,12 @@ def _read_config(root: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"config.json: not valid JSON ({e}).", path=str(path)) from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: config.json is not a JSON object.", path=str(path))
+    return config
 
 
 def _index_tensors(files: list[FileHeader], weight_map: dict[str, str] | None, where: str) -> dict[str, TensorEntry]:
@@ -333,8 +336,9 @@ def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> Checkpo
     except (LocalEntryNotFoundError, FileNotFoundError) as e:
         hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache" if offline
                 else "it could not be reached and is not in the local cache")
-        raise CheckpointError(f"{repo_id}: {hint}. Download it once with network access "
-                              f"(`hf download {repo_id}`), or pass a local folder.", path=repo_id) from e
+        raise CheckpointError(f"{repo_id}: no local folder of that name, and as a Hub repo id {hint}. Check the "
+                              f"path, download it once with network access (`hf download {repo_id}`), or pass a "
+                              "local folder.", path=repo_id) from e
     except (RepositoryNotFoundError, HfHubHTTPError, OSError) as e:
         raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
                               "or pass a local folder.", path=repo_id) from e

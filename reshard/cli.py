@@ -103,7 +103,9 @@ def plan(src, mesh, mode, revision, as_json):
 
     result = plan_checkpoint(src, mesh, mode=mode, revision=revision)
     if result is None:
-        click.echo(f"{src}: no routed experts found (not a MoE checkpoint); nothing to reshard.")
+        message = f"{src}: no routed experts found (not a MoE checkpoint); nothing to reshard."
+        click.echo(json.dumps({"reshard_plan_version": 1, "source": src, "routed_experts": 0, "message": message},
+                              indent=2) if as_json else message)
         return
     if as_json:
         click.echo(json.dumps(plan_to_dict(result, src), indent=2))

@@ -9,10 +9,22 @@ PLAN_JSON_VERSION = 1
 
 
 def _rank_map(rows: tuple[int, ...], replicated: bool) -> str:
-    """One character per fsdp coordinate: the local row count (`+` past 9), `.` for an empty local."""
+    """Rows on the split dim per fsdp coordinate, `.` for an empty local.
+
+    One character per rank while every count is a single digit (`33333320` x 8 for GLM-4.6 stock); otherwise runs,
+    `384x64` for 64 ranks of 384 rows, `12x3 .x1` when the last of 4 ranks is empty.
+    """
     if replicated:
         return "all ranks hold it whole"
-    return "".join("." if n == 0 else (str(n) if n < 10 else "+") for n in rows)
+    if max(rows) < 10:
+        return "".join("." if n == 0 else str(n) for n in rows)
+    runs: list[list[int]] = []
+    for n in rows:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return " ".join(f"{'.' if n == 0 else n}x{count}" for n, count in runs)
 
 
 def _human_bytes(n: float) -> str:

@@ -78,7 +78,9 @@ def test_qwen3_moe_two_experts_fsdp4_human(tiny):
     for family, stock, planned in blocks.values():
         assert "[2, " in family  # 2 experts
         assert stock.split() == ["stock", "Shard(0)", "on", "fsdp", "11..", "empty", "on", "2", "rank(s)"]
-        assert planned.split()[:5] == ["planned", "Shard(1)", "on", "fsdp", "++++"]  # no '.' = no empty rank
+        assert planned.split()[:4] == ["planned", "Shard(1)", "on", "fsdp"]
+        rows = {"gate_up_proj": 48 // 4, "down_proj": 64 // 4}[family.split()[0].rsplit(".", 1)[1]]
+        assert planned.split()[4] == f"{rows}x4"  # the same row count on all 4 ranks: no '.' = no empty rank
         assert planned.endswith("split dim 1 (divides evenly)")
     assert "stock transformers leaves" in out and "rank(s) (2,3)" in out
     assert "stock 36.00 KiB / 18.00 KiB = 2.00; planned 18.00 KiB / 18.00 KiB = 1.00" in out
@@ -152,7 +154,8 @@ def test_glm4_moe_ten_experts_fsdp8_ep2(tiny):
     for family, stock, planned in blocks.values():
         assert "[10, " in family
         assert "(_StridedShard(0, sf=2), Shard(0)) on (efsdp, ep) 222211..  empty on 2 rank(s)" in stock
-        assert "(Shard(1), Shard(0)) on (efsdp, ep)" in planned and " ++++++++ " in planned
+        rows = {"gate_up_proj": 48 // 4, "down_proj": 64 // 4}[family.split()[0].rsplit(".", 1)[1]]
+        assert "(Shard(1), Shard(0)) on (efsdp, ep)" in planned and f" {rows}x8 " in planned
 
     doc = plan_json(src, "--fsdp", "8", "--ep", "2")
     assert doc["mesh"]["efsdp"] == 4 and doc["mesh"]["world_size"] == 8
