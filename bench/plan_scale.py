@@ -101,7 +101,7 @@ def write_sparse_checkpoint(folder: Path, cfg: dict) -> dict:
     """Write real safetensors headers; the data region of each file is a hole (`os.truncate`)."""
     folder.mkdir(parents=True, exist_ok=True)
     files = checkpoint_files(cfg)
-    weight_map, total, header_bytes = {}, 0, 0
+    weight_map, total, header_bytes, header_ends = {}, 0, 0, {}
     for n, tensors in enumerate(files, 1):
         name = f"model-{n:05d}-of-{len(files):05d}.safetensors"
         header, cursor = {"__metadata__": {"format": "pt"}}, 0
@@ -119,10 +119,12 @@ def write_sparse_checkpoint(folder: Path, cfg: dict) -> dict:
         os.truncate(folder / name, 8 + len(raw) + cursor)
         total += cursor
         header_bytes += 8 + len(raw)
+        header_ends[name] = 8 + len(raw)
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    return {"files": len(files), "tensors": len(weight_map), "data_bytes": total, "header_bytes": header_bytes}
+    return {"files": len(files), "tensors": len(weight_map), "data_bytes": total, "header_bytes": header_bytes,
+            "header_ends": header_ends}
 
 
 def disk_usage(folder: Path) -> tuple[int, int]:
@@ -166,39 +168,66 @@ def run_plan(folder: Path, fsdp: int, ep: int, io_file: Path, *, prefix: list[st
     return {"wall_s": wall, "io": _proc_io(io_file.read_text()), "json": json.loads(result.stdout)}
 
 
-_FD_CALL = re.compile(r"^(?:\d+\s+)?(read|pread64|readv|preadv|preadv2|mmap)\((.*)\)\s+=\s+(-?\d+|0x[0-9a-f]+)")
+_CALL = re.compile(r"^(openat|read|pread64|lseek|mmap)\((.*)\)\s+=\s+(-?\d+|0x[0-9a-f]+)(?:<([^>]*)>)?")
+_FD = re.compile(r"^(\d+)<([^>]*)>")
 
 
-def strace_reads(folder: Path, fsdp: int, ep: int, work: Path) -> dict | None:
-    """Bytes read() from and mmaps of the fixture's files, from an strace of the whole command (or None)."""
+def strace_reads(folder: Path, fsdp: int, ep: int, work: Path, header_ends: dict[str, int]) -> dict | None:
+    """From an strace of the whole command: bytes read() from the fixture's files, how many of them lie past a
+    safetensors header (in the tensor data), and any mmap of a fixture file. None when strace is unavailable."""
     strace = shutil.which("strace")
     if strace is None:
         return None
-    log = work / "strace.log"
-    prefix = [strace, "-f", "-y", "-s", "0", "-e", "trace=read,pread64,readv,preadv,preadv2,mmap", "-o", str(log)]
+    logs = work / "strace"
+    logs.mkdir()
+    prefix = [strace, "-ff", "-y", "-s", "0", "-e", "trace=openat,read,pread64,lseek,mmap", "-o", str(logs / "t")]
     try:
         run_plan(folder, fsdp, ep, work / "io-strace.txt", prefix=prefix)
     except SystemExit as e:  # e.g. ptrace not permitted in this container
         print(f"(strace run failed, skipped: {str(e)[:200]})", file=sys.stderr)
         return None
     root = str(folder.resolve())
-    reads, calls, mmaps, files = 0, 0, 0, set()
-    for line in log.read_text(errors="replace").splitlines():
-        m = _FD_CALL.match(line)
-        if not m or root not in m.group(2):
-            continue
-        path = re.search(r"<([^>]*)>", m.group(2)).group(1)
-        files.add(path)
-        if m.group(1) == "mmap":
-            mmaps += 1
-        elif not m.group(3).startswith("0x") and int(m.group(3)) > 0:
-            reads += int(m.group(3))
-            calls += 1
-    return {"bytes": reads, "calls": calls, "mmaps": mmaps, "files": len(files)}
+    out = {"bytes": 0, "data_bytes": 0, "calls": 0, "mmaps": 0, "files": set()}
+    for log in logs.iterdir():  # one log per thread: no interleaved lines
+        pos: dict[int, int] = {}
+        for line in log.read_text(errors="replace").splitlines():
+            m = _CALL.match(line)
+            if not m:
+                continue
+            call, args, ret, opened = m.groups()
+            if call == "openat":
+                if opened and opened.startswith(root) and not ret.startswith("-"):
+                    pos[int(ret)] = 0
+                continue
+            fd = _FD.match(args)
+            if not fd or not fd.group(2).startswith(root):
+                continue
+            fdn, path = int(fd.group(1)), fd.group(2)
+            out["files"].add(path)
+            if call == "mmap" or call == "lseek":
+                if call == "mmap":
+                    out["mmaps"] += 1
+                else:
+                    pos[fdn] = int(ret)
+                continue
+            n = int(ret)
+            if n <= 0:
+                continue
+            start = int(args.rsplit(",", 1)[1]) if call == "pread64" else pos.get(fdn, 0)
+            if call == "read":
+                pos[fdn] = start + n
+            end_of_header = header_ends.get(Path(path).name)
+            if end_of_header is not None:
+                out["data_bytes"] += max(0, start + n - max(start, end_of_header))
+            out["bytes"] += n
+            out["calls"] += 1
+    out["files"] = len(out["files"])
+    return out
 
 
-def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> list[tuple[str, float, int]]:
-    """Each phase's wall seconds and rchar delta, in this process."""
+def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> tuple[list, list]:
+    """Each phase's wall seconds and rchar delta, in this process; then, in a second (warm) pass, the time spent
+    inside the functions that dominate read_checkpoint and layout_from_model."""
     phases = []
 
     def rchar() -> int:
@@ -224,30 +253,70 @@ def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> list[tuple[st
     from reshard.report import plan_to_dict
 
     index = timed("read_checkpoint (headers)", lambda: read_checkpoint(folder))
-    model = timed("find_experts: build_meta_model", lambda: build_meta_model(index.config))
-    if profile:
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        layout = timed("find_experts: layout_from_model", lambda: prof.runcall(layout_from_model, model, index))
-        print("\ncProfile of layout_from_model (top 15 by cumulative time):")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
-    else:
-        layout = timed("find_experts: layout_from_model", lambda: layout_from_model(model, index))
+    model = timed("find_experts: build_meta_model (cold)", lambda: build_meta_model(index.config))
+    timed("find_experts: build_meta_model (warm)", lambda: build_meta_model(index.config))
+    layout = timed("find_experts: layout_from_model", lambda: layout_from_model(model, index))
     plan = timed("make_plan", lambda: make_plan(layout, MeshSpec(fsdp=fsdp, ep=ep)))
     timed("summarize", lambda: summarize(plan))
     timed("plan_to_dict + json.dumps", lambda: json.dumps(plan_to_dict(plan, str(folder))))
-    return phases
+
+    # where the time goes: accumulate the time spent inside a few functions (a warm second pass)
+    import transformers.core_model_loading as cml
+
+    from reshard import checkpoint, experts
+
+    targets = [(checkpoint, "_checked_file_names"), (checkpoint, "read_header"), (cml, "dot_natural_key"),
+               (cml, "rename_source_key"), (experts, "_compose"), (experts, "expert_param_names")]
+    spent = {f"{mod.__name__}.{name}": [0.0, 0] for mod, name in targets if hasattr(mod, name)}
+    originals = {}
+
+    def wrap(key, fn):
+        def timed_fn(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key][0] += time.perf_counter() - t0
+                spent[key][1] += 1
+        return timed_fn
+
+    for mod, name in targets:
+        if hasattr(mod, name):
+            originals[(mod, name)] = getattr(mod, name)
+            setattr(mod, name, wrap(f"{mod.__name__}.{name}", getattr(mod, name)))
+    try:
+        t0 = time.perf_counter()
+        index = read_checkpoint(folder)
+        read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.runcall(layout_from_model, model, index)
+            print("\ncProfile of layout_from_model (top 15 by cumulative time):")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+        else:
+            layout_from_model(model, index)
+        layout_s = time.perf_counter() - t0
+    finally:
+        for (mod, name), fn in originals.items():
+            setattr(mod, name, fn)
+    hotspots = [("read_checkpoint (warm, instrumented)", read_s, 1),
+                ("layout_from_model (warm, instrumented)", layout_s, 1)]
+    hotspots += [(f"  in {key}", sec, calls) for key, (sec, calls) in spent.items()]
+    return phases, hotspots
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fsdp", type=int, default=64)
     parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs of the subprocess (min and median shown)")
     parser.add_argument("--dir", type=Path, default=None, help="where to build the fixture (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the fixture")
-    parser.add_argument("--profile", action="store_true", help="cProfile layout_from_model")
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile of layout_from_model")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="plan-scale-", dir=args.dir))
@@ -257,25 +326,42 @@ def main(argv: list[str] | None = None) -> None:
         small = write_sparse_checkpoint(work / "glm-small", SMALL_CONFIG)
         build_s = time.perf_counter() - t0
         apparent, used = disk_usage(work / "glm46")
+        meta_bytes = big["header_bytes"] + sum((work / "glm46" / n).stat().st_size
+                                               for n in ("model.safetensors.index.json", "config.json"))
         print(f"fixture: {big['files']} files, {big['tensors']} tensors, {apparent / 1e9:.1f} GB apparent, "
-              f"{used / 1e6:.2f} MB on disk, headers {big['header_bytes'] / 1e6:.2f} MB (built in {build_s:.1f} s)")
+              f"{used / 1e6:.2f} MB on disk, headers {big['header_bytes'] / 1e6:.2f} MB (built in {build_s:.1f} s); "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
+        def cpu_children() -> float:
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return usage.ru_utime + usage.ru_stime
+
+        c0 = cpu_children()
         base = run_plan(work / "glm-small", args.fsdp, args.ep, work / "io-small.txt")
-        sub = run_plan(work / "glm46", args.fsdp, args.ep, work / "io-big.txt")
-        rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # max over both children: the big one
-        traced = strace_reads(work / "glm46", args.fsdp, args.ep, work)
+        base_cpu = cpu_children() - c0
+        runs, cpus = [], []
+        for i in range(args.repeat):
+            c0 = cpu_children()
+            runs.append(run_plan(work / "glm46", args.fsdp, args.ep, work / f"io-big{i}.txt"))
+            cpus.append(cpu_children() - c0)
+        rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # max over the children: a big one
+        walls = sorted(r["wall_s"] for r in runs)
+        sub = runs[0]
+        traced = strace_reads(work / "glm46", args.fsdp, args.ep, work, big["header_ends"])
         summary = sub["json"]["summary"]
 
-        phases = in_process(work / "glm46", args.fsdp, args.ep, args.profile)
+        phases, hotspots = in_process(work / "glm46", args.fsdp, args.ep, args.profile)
         self_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
         rows = [
             ("fixture tensors / files", f"{big['tensors']} / {big['files']}"),
             ("fixture apparent size", f"{apparent / 1e9:.1f} GB"),
-            ("fixture disk blocks used", f"{used / 1e6:.2f} MB"),
-            ("fixture header bytes", f"{big['header_bytes'] / 1e6:.2f} MB"),
-            (f"`reshard plan --fsdp {args.fsdp} --ep {args.ep} --json` wall", f"{sub['wall_s']:.2f} s"),
-            ("  same on a 2-layer GLM (startup baseline)", f"{base['wall_s']:.2f} s"),
+            ("fixture disk blocks used (du)", f"{used / 1e6:.2f} MB"),
+            ("fixture headers + index + config", f"{meta_bytes / 1e6:.2f} MB"),
+            (f"`reshard plan --fsdp {args.fsdp} --ep {args.ep} --json` wall",
+             f"min {walls[0]:.2f} s, median {walls[len(walls) // 2]:.2f} s over {len(walls)} runs"),
+            ("  CPU time (user + sys)", f"min {min(cpus):.2f} s"),
+            ("  same command on a 2-layer GLM (startup baseline)", f"{base['wall_s']:.2f} s wall, {base_cpu:.2f} s CPU"),
             ("  peak RSS (RUSAGE_CHILDREN)", f"{rss_kib / 1024:.0f} MiB"),
             ("  rchar (all reads, imports included)", f"{sub['io']['rchar'] / 1e6:.1f} MB"),
             ("  rchar minus 2-layer baseline", f"{(sub['io']['rchar'] - base['io']['rchar']) / 1e6:.2f} MB"),
@@ -284,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         if traced is not None:
             rows += [("  strace: bytes read() from fixture files", f"{traced['bytes'] / 1e6:.2f} MB in "
                       f"{traced['calls']} calls over {traced['files']} files"),
+                     ("  strace: of which past a header (tensor data)", f"{traced['data_bytes']} B"),
                      ("  strace: mmaps of fixture files", str(traced["mmaps"]))]
         rows += [("plan: tensors / expert tensors", f"{summary['tensors']} / {summary['expert_tensors']}"),
                  ("plan: expert max/mean stock -> planned", f"{summary['stock_expert_max_over_mean']:.3f} -> "
@@ -294,13 +381,16 @@ def main(argv: list[str] | None = None) -> None:
         for name, seconds, read in phases:
             rows.append((f"in-process: {name}", f"{seconds:.2f} s, rchar {read / 1e6:.2f} MB"))
         rows.append(("in-process peak RSS (this process)", f"{self_rss_kib / 1024:.0f} MiB"))
+        for name, seconds, calls in hotspots:
+            rows.append((name, f"{seconds:.2f} s" + (f" in {calls} calls" if calls > 1 else "")))
         width = max(len(k) for k, _ in rows)
         print()
         for key, value in rows:
             print(f"{key:<{width}}  {value}")
-        total_ok = sub["wall_s"] < 5.0
-        data_free = traced is None or (traced["bytes"] <= big["header_bytes"] + 4096 and traced["mmaps"] == 0)
-        print(f"\ntarget: under 5 s {'MET' if total_ok else 'MISSED'}; reads no tensor bytes "
+        fast = walls[0] < 5.0
+        # "no tensor bytes": nothing read past any header except buffered read-ahead (< 8 KiB per file), no mmap
+        data_free = traced is None or (traced["data_bytes"] < 8192 * big["files"] and traced["mmaps"] == 0)
+        print(f"\ntarget: under 5 s {'MET' if fast else 'MISSED'}; reads no tensor bytes "
               f"{'MET' if data_free else 'MISSED'}" + ("" if traced else " (no strace: judged by rchar only)"))
     finally:
         if args.keep:

@@ -1,0 +1,582 @@
+"""The breadth matrix: every MoE model type transformers 5.23 ships, as a tiny checkpoint, through reshard.
+
+Used by `tests/test_breadth.py` and `scripts/support_table.py` (a plain module, not a test file).
+
+- `discover()` finds the MoE model types in transformers itself: every model type of
+  `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built on the meta device from its config defaults with the tiny overrides
+  (`tiny_config`), and kept when the model's EP plan has an `ep_dispatch_experts` module or one of its modules is
+  called `experts`. Config types outside the causal-LM mapping whose config (or sub-config) declares an EP plan are
+  listed too, as skips with a reason (multimodal wrappers, encoders). Nothing is dropped silently: a discovered type
+  with no `TINY` entry is a `Candidate` with `missing_tiny=True`, which the tests fail on.
+- `TINY` holds the tiny-config overrides per model type (hidden 64, 2 layers, 4 experts, small heads), following
+  ARCHITECTURES.md section 6.9 (MLA models: `num_key_value_heads == num_attention_heads`; group routing: `n_group`
+  divides the expert count; explicit `layer_types` / `mlp_layer_types`; dense-first-layer defaults turned so that
+  layer 1 is MoE).
+- `generate()` writes a checkpoint with `save_pretrained`, per-expert (`save_original_format=True`) or fused
+  (`save_original_format=False`), after re-randomising every all-zero floating tensor except rotary ones
+  (ARCHITECTURES.md 6.6).
+- `check_case()` runs one (model type, layout): plan, write at two meshes, verify against the source, load whole
+  in one process and compare with transformers' own load. It returns a `CaseResult`; `support_table()` renders the
+  results as the Markdown table README.md carries.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from reshard.tiny import BASE as _TINY_BASE
+
+# hidden 64, dense FFN 96, 2 layers, 4 heads (2 KV heads, head_dim 16), vocab 512, untied; pad id inside the vocab
+BASE = {**_TINY_BASE, "pad_token_id": 0}
+
+_E = 4  # routed experts: ep 2 possible, and fsdp 3 leaves stock ranks empty
+_MOE = dict(moe_intermediate_size=24)
+_MLA = dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16)
+_INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
+_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+_TWO = ["full_attention", "full_attention"]
+
+# model_type -> tiny config overrides (on top of BASE)
+TINY: dict[str, dict] = {
+    "afmoe": dict(num_experts=_E, num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1,
+                  layer_types=["sliding_attention", "full_attention"], sliding_window=8, **_MOE),
+    "aria_text": dict(moe_num_experts=_E, moe_topk=2, moe_num_shared_experts=1, intermediate_size=24),
+    "axk1": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                 mlp_layer_types=["dense", "sparse"], **_MLA, **_MOE),
+    "axk2": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["dense", "sparse"],
+                 layer_types=["indexed_attention", "indexed_attention"], **_MLA, **_INDEXER, **_MOE),
+    "bailing_hybrid": dict(num_experts=_E, num_experts_per_token=2, num_shared_experts=1, num_expert_group=2,
+                           topk_group=1, first_k_dense_replace=1, mlp_layer_types=["dense", "sparse"],
+                           layer_types=["linear_attention", "full_attention"], linear_head_dim=16, linear_num_heads=4,
+                           layer_group_size=2, **_MLA, **_MOE),
+    "beam": dict(num_experts=_E, num_experts_per_tok=2, n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"],
+                 layer_types=["sliding_attention", "full_attention"], sliding_window=8, **_MOE),
+    "cohere2_moe": dict(num_experts=_E, num_experts_per_tok=2, num_shared_experts=1, intermediate_size=24,
+                        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"],
+                        sliding_window=8),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+                 attn_config=dict(kv_n_heads=2), ffn_config=dict(ffn_hidden_size=24, moe_num_experts=_E, moe_top_k=2)),
+    "deepseek_v2": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        **_MLA, **_MOE),
+    "deepseek_v3": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=2, topk_group=1, **_MLA, **_MOE),
+    "deepseek_v32": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                         n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"],
+                         layer_types=["indexed_attention", "indexed_attention"], **_MLA, **_INDEXER, **_MOE),
+    "deepseek_v4": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, num_key_value_heads=1,
+                        q_lora_rank=32, o_groups=2, o_lora_rank=16, head_dim=16, qk_rope_head_dim=8,
+                        layer_types=["sliding_attention", "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "moe"], sliding_window=8, index_n_heads=2, index_head_dim=16,
+                        index_topk=4, hc_mult=2, num_nextn_predict_layers=0, **_MOE),
+    "dots1": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                  layer_types=_TWO, **_MOE),
+    "dots3_note_text": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,
+                            mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention", "sliding_attention"],
+                            shared_experts_intermediate_size=48, sliding_window=8, head_dim=16, **_MLA, **_INDEXER,
+                            **_MOE),
+    "ernie4_5_moe": dict(moe_num_experts=_E, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1,
+                         moe_layer_end_index=1, **_MOE),
+    "exaone_moe": dict(num_experts=_E, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
+                       layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                       sliding_window=8, **_MOE),
+    "flex_olmo": dict(num_experts=_E, num_experts_per_tok=2, intermediate_size=24),
+    "flint": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[0],
+                  layer_types=["full_attention", "sliding_attention"], sliding_window=8, **_MOE),
+    "gemma4_text": dict(enable_moe_block=True, num_experts=_E, top_k_experts=2, layer_types=["sliding_attention",
+                        "full_attention"], sliding_window=8, hidden_size_per_layer_input=0, per_layer_config={},
+                        global_head_dim=16, **_MOE),
+    "glm4_moe": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, **_MOE),
+    "glm4_moe_lite": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,
+                          mlp_layer_types=["dense", "sparse"], **_MLA, **_MOE),
+    "glm_moe_dsa": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention", "indexed_attention"],
+                        **_MLA, **_INDEXER, **_MOE),
+    "gpt_oss": dict(num_local_experts=_E, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                    sliding_window=8),
+    "granitemoe": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24),
+    "granitemoe_swa": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24,
+                           shared_intermediate_size=48, layer_types=["full_attention", "sliding_attention"],
+                           sliding_window=8),
+    "granitemoehybrid": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24,
+                             shared_intermediate_size=48, layer_types=["mamba", "attention"], mamba_n_heads=8,
+                             mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    "granitemoeshared": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24,
+                             shared_intermediate_size=48),
+    "hunyuan_v1_moe": dict(num_experts=_E, moe_topk=2, intermediate_size=24),
+    "hy_v3": dict(num_experts=_E, num_experts_per_tok=2, num_shared_experts=1, mlp_layer_types=["dense", "sparse"],
+                  **_MOE),
+    "hy_v4": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["dense", "sparse"],
+                  layer_types=["indexed_attention", "indexed_attention"], indexer_types=["full", "shared"], hc_mult=2,
+                  **{**_MLA, "q_lora_rank": 32}, **_INDEXER, **_MOE),
+    "inkling2_text": dict(n_routed_experts=_E, num_experts_per_tok=2, swa_num_attention_heads=4,
+                          swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, unpadded_vocab_size=None,
+                          layer_types=["hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=1, **_MOE),
+    "inkling_text": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, swa_num_attention_heads=4,
+                         swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
+                         layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["sparse", "sparse"], **_MOE),
+    "jamba": dict(num_experts=_E, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                  attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False,
+                  intermediate_size=24),
+    "jetmoe": dict(num_local_experts=_E, num_experts_per_tok=2, kv_channels=16, intermediate_size=24),
+    "kimi_linear": dict(num_experts=_E, num_experts_per_token=2, num_shared_experts=1, mlp_layer_types=["dense",
+                        "sparse"], layer_types=["linear_attention", "full_attention"], linear_head_dim=16,
+                        linear_num_heads=4, **_MLA, **_MOE),
+    "kolibri1": dict(num_local_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                     layer_types=["sliding_attention", "full_attention"], sliding_window=8, **_MOE),
+    "laguna": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48, layer_types=_TWO,
+                   num_attention_heads_per_layer=[4, 4], mlp_layer_types=["dense", "sparse"], **_MOE),
+    "lfm2_moe": dict(num_experts=_E, num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"],
+                     **_MOE),
+    "llama4_text": dict(num_local_experts=_E, num_experts_per_tok=1, intermediate_size=24, intermediate_size_mlp=96,
+                        interleave_moe_layer_step=2, moe_layers=None, layer_types=["chunked_attention",
+                        "full_attention"], attention_chunk_size=8),
+    "longcat_flash": dict(n_routed_experts=_E, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=24,
+                          ffn_hidden_size=96, num_layers=1, head_dim=8, **_MLA),
+    "mellum": dict(num_local_experts=_E, num_experts_per_tok=2, layer_types=_TWO, mlp_layer_types=["sparse", "sparse"],
+                   **_MOE),
+    "mimo_v2_flash": dict(n_routed_experts=_E, num_experts_per_tok=2, v_head_dim=16,
+                          layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"],
+                          sliding_window=8, **_MOE),
+    "minimax": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24,
+                    layer_types=["linear_attention", "full_attention"]),
+    "minimax_m2": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24),
+    "minimax_m3_vl_text": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24,
+                               dense_intermediate_size=96, shared_intermediate_size=48,
+                               mlp_layer_types=["dense", "sparse"], layer_types=_TWO, index_n_heads=2,
+                               index_head_dim=16),
+    "mixtral": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24),
+    "nemotron_h": dict(n_routed_experts=_E, num_experts_per_tok=2, moe_intermediate_size=24,
+                       moe_shared_expert_intermediate_size=48, layers_block_type=["moe", "full_attention"],
+                       mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16),
+    "olmoe": dict(num_experts=_E, num_experts_per_tok=2, intermediate_size=24),
+    "phimoe": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24),
+    "qwen2_moe": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48, **_MOE),
+    "qwen3_5_moe_text": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                             layer_types=["linear_attention", "full_attention"], **_LINEAR, **_MOE),
+    "qwen3_moe": dict(num_experts=_E, num_experts_per_tok=2, **_MOE),
+    "qwen3_next": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                       layer_types=["linear_attention", "full_attention"], **_LINEAR, **_MOE),
+    "qwen4_exp_text": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                           layer_types=["linear_attention", "full_attention"], hc_lowrank=8, ple_embed_dim=16,
+                           heads_per_ngram=2, ngram_vocab_size_base=512, **_LINEAR, **_MOE),
+    "solar_open": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, **_MOE),
+    "zaya": dict(num_experts=_E, num_experts_per_tok=1, layer_types=["hybrid", "hybrid"], router_hidden_size=16,
+                 **_MOE),
+}
+
+
+# ---- configs, meta models, discovery ------------------------------------------------------------------------------
+
+def _quiet():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def tiny_config(model_type: str, *, tiny: bool = True):
+    """The config class's defaults with BASE and the `TINY` overrides (BASE only when the type has no entry)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    overrides = {**BASE, **TINY.get(model_type, {})} if tiny else {}
+    return CONFIG_MAPPING[model_type](**overrides)
+
+
+def causal_class(model_type: str):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+
+@lru_cache(maxsize=None)
+def meta_model(model_type: str):
+    """The causal-LM model of `model_type` built from `tiny_config` on the meta device (one build per type)."""
+    import torch
+
+    _quiet()
+    with torch.device("meta"):
+        return causal_class(model_type)(tiny_config(model_type))
+
+
+def ep_expert_modules(model) -> list[str]:
+    """Modules the model's EP plan dispatches to experts (`ep_dispatch_experts`), `*` matched against layer numbers."""
+    patterns = [re.compile(re.escape(k).replace(r"\*", r"\d+")) for k, v in (model.ep_plan or {}).items()
+                if v == "ep_dispatch_experts"]
+    return [name for name, _ in model.named_modules() if any(p.fullmatch(name) for p in patterns)]
+
+
+def ep_expert_params(model) -> set[str]:
+    """Every parameter under an `ep_dispatch_experts` module: what reshard must call experts, and nothing else."""
+    return {f"{m}.{p}" for m in ep_expert_modules(model) for p, _ in model.get_submodule(m).named_parameters()}
+
+
+def experts_submodules(model) -> list[str]:
+    return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+
+
+@dataclass
+class Candidate:
+    """One MoE model type found in transformers.
+
+    Attributes:
+        model_type: the config's model type.
+        class_name: its causal-LM class (None outside the causal-LM mapping).
+        skip: why it is not run (None when it is).
+        missing_tiny: discovered as MoE but `TINY` has no overrides for it (a failure, never silent).
+        has_ep_plan: the model's EP plan names an `ep_dispatch_experts` module.
+    """
+
+    model_type: str
+    class_name: str | None
+    skip: str | None = None
+    missing_tiny: bool = False
+    has_ep_plan: bool = True
+
+
+def _config_declares_ep(config_class) -> bool:
+    plan = getattr(config_class, "base_model_ep_plan", None) or {}
+    return "ep_dispatch_experts" in plan.values()
+
+
+def _sub_config_types(config_class) -> list[str]:
+    out = []
+    for sub in (getattr(config_class, "sub_configs", None) or {}).values():
+        model_type = getattr(sub, "model_type", None)
+        if model_type:
+            out.append(model_type)
+    return out
+
+
+@lru_cache(maxsize=None)
+def discover() -> tuple[Candidate, ...]:
+    """The MoE model types of the installed transformers, sorted by model type (see the module docstring)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    _quiet()
+    found: dict[str, Candidate] = {}
+    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if model_type not in CONFIG_MAPPING_NAMES:
+            continue
+        model = None
+        for tiny in (True, False):  # the tiny build, else the plain defaults (still on meta) just to classify it
+            try:
+                if tiny:
+                    model = meta_model(model_type)
+                else:
+                    import torch
+
+                    with torch.device("meta"):
+                        model = causal_class(model_type)(tiny_config(model_type, tiny=False))
+                break
+            except Exception:  # noqa: BLE001 - a type that does not build is classified by its config below
+                continue
+        if model is not None:
+            has_ep = bool(ep_expert_modules(model))
+            is_moe = has_ep or bool(experts_submodules(model)) or model_type in TINY
+        else:
+            has_ep = _config_declares_ep(CONFIG_MAPPING[model_type])
+            is_moe = has_ep or model_type in TINY
+        if is_moe:
+            found[model_type] = Candidate(model_type, class_name, has_ep_plan=has_ep,
+                                          missing_tiny=model_type not in TINY)
+    # wrappers: a causal type whose config holds a text sub-config that is itself a discovered type
+    for model_type, cand in found.items():
+        subs = [t for t in _sub_config_types(CONFIG_MAPPING[model_type]) if t in found and t != model_type]
+        if subs and model_type not in TINY:
+            cand.skip = (f"multimodal wrapper of `{subs[0]}` (text model covered as its own type); vision/audio "
+                         "towers not generated")
+            cand.missing_tiny = False
+    # config types outside the causal-LM mapping whose config or sub-config declares an EP plan
+    for model_type in CONFIG_MAPPING_NAMES:
+        if model_type in found or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            continue
+        try:
+            config_class = CONFIG_MAPPING[model_type]
+        except Exception:  # noqa: BLE001
+            continue
+        subs = [t for t in _sub_config_types(config_class) if t in CONFIG_MAPPING_NAMES
+                and _config_declares_ep(CONFIG_MAPPING[t])]
+        if _config_declares_ep(config_class):
+            found[model_type] = Candidate(model_type, None, skip="no causal-LM class in "
+                                          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (a sub-model of a multimodal model)")
+        elif subs:
+            found[model_type] = Candidate(model_type, None, skip=f"no causal-LM class (multimodal model; its MoE "
+                                          f"text part is `{subs[0]}`)")
+    return tuple(sorted(found.values(), key=lambda c: c.model_type))
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------------
+
+def generate(model_type: str, path: str | Path, *, fused: bool, seed: int = 0) -> Path:
+    """Write a tiny random `model_type` checkpoint (float32) and return its folder."""
+    import torch
+
+    _quiet()
+    torch.manual_seed(seed)
+    model = causal_class(model_type)(tiny_config(model_type))
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if tensor.is_floating_point() and "rotary" not in name and tensor.numel() and \
+                    not torch.count_nonzero(tensor):
+                tensor.copy_(torch.randn(tensor.shape, dtype=torch.float32).to(tensor.dtype))
+    path = Path(path)
+    model.save_pretrained(path, save_original_format=not fused)
+    return path
+
+
+def saved_keys(folder: Path) -> set[str]:
+    from reshard.checkpoint import read_checkpoint
+
+    return set(read_checkpoint(folder).tensors)
+
+
+def layouts_differ(model_type: str, per_expert: Path) -> bool:
+    """Whether `save_original_format=False` would write other keys than the per-expert save did."""
+    return saved_keys(per_expert) != set(meta_model(model_type).state_dict())
+
+
+def expert_count(layout) -> int:
+    return layout.experts[0].shape[0]
+
+
+def meshes(num_experts: int):
+    """Two meshes: one where stock transformers leaves some rank's experts empty, one that splits them evenly.
+
+    With an even expert count both use ep 2: `fsdp = E + 2` gives efsdp `E/2 + 1` over `E/2` experts (one empty),
+    `fsdp = E` gives one expert per rank. Otherwise no EP: `fsdp = E + 1` and `fsdp = E`.
+    """
+    from reshard.mesh import MeshSpec
+
+    if num_experts % 2 == 0:
+        return {"uneven": MeshSpec(fsdp=num_experts + 2, ep=2), "even": MeshSpec(fsdp=num_experts, ep=2)}
+    return {"uneven": MeshSpec(fsdp=num_experts + 1), "even": MeshSpec(fsdp=num_experts)}
+
+
+# ---- one case -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class CaseResult:
+    """What `check_case` found for one (model type, layout).
+
+    Attributes:
+        status: `pass`, `unsupported` (reshard refused it with a ReshardError) or `fail`.
+        reason: the ReshardError message (unsupported) or the failure (fail).
+        experts: routed experts per MoE layer, expert tensors per layer, MoE layers (from the plan).
+        expert_names: one layer's expert tensor names (the part after `experts.`).
+        stock_empty: stock transformers leaves a rank's experts empty at the `uneven` mesh.
+        seconds: time spent.
+    """
+
+    model_type: str
+    layout: str
+    status: str = "fail"
+    reason: str = ""
+    experts: tuple[int, int, int] | None = None
+    expert_names: tuple[str, ...] = ()
+    stock_empty: bool | None = None
+    seconds: float = 0.0
+    steps: list[str] = field(default_factory=list)
+
+
+def _expert_summary(layout):
+    from reshard.plan import family_of
+
+    experts = layout.experts
+    layers = sorted({re.search(r"\.(\d+)\.", t.name).group(1) for t in experts if re.search(r"\.(\d+)\.", t.name)},
+                    key=int)
+    families = sorted({family_of(t.name) for t in experts})
+    names = tuple(sorted({f.split("experts.", 1)[-1] for f in families}))
+    per_layer = len(experts) // max(len(layers), 1)
+    return (experts[0].shape[0], per_layer, len(layers)), names
+
+
+def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResult:
+    """Plan, write at two meshes, verify and load `src` (a checkpoint of `model_type` in `layout`).
+
+    Raises AssertionError inside only to mark the result failed; never raises itself.
+    """
+    import torch
+
+    from reshard.api import plan_checkpoint, write_checkpoint
+    from reshard.errors import ReshardError
+    from reshard.loader import from_pretrained
+    from reshard.mesh import MeshSpec
+    from reshard.verify import verify
+
+    _quiet()
+    result = CaseResult(model_type, layout)
+    start = time.monotonic()
+    try:
+        try:
+            plan = plan_checkpoint(src, MeshSpec(fsdp=2))
+        except ReshardError as e:
+            result.status, result.reason = "unsupported", str(e)
+            return result
+        if plan is None:
+            result.status = "unsupported"
+            result.reason = "plan_checkpoint found no routed experts (the model has no `ep_dispatch_experts` in its " \
+                            "EP plan)"
+            try:
+                write_checkpoint(src, work / "refused", MeshSpec(fsdp=2), progress=False)
+            except ReshardError as e:
+                result.reason += f"; write_checkpoint: {e}"
+            else:
+                raise AssertionError("write_checkpoint wrote a checkpoint plan_checkpoint found no experts in")
+            return result
+        result.steps.append("plan")
+        result.experts, result.expert_names = _expert_summary(plan.layout)
+        # exactly the EP plan's expert parameters are experts; routers, shared experts, biases are not
+        found = {t.name for t in plan.layout.experts}
+        expected = ep_expert_params(meta_model(model_type))
+        assert found == expected, (f"experts found {sorted(found - expected)[:4]} beyond the EP plan's, missing "
+                                   f"{sorted(expected - found)[:4]}")
+        from reshard.layout import Role
+
+        for t in plan.layout.tensors:
+            if re.search(r"shared_expert|shared_mlp|e_score_correction_bias|expert_bias|router|\.gate\.", t.name):
+                assert t.role is not Role.EXPERT, f"{t.name} is not a routed expert"
+        result.steps.append("experts")
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
+        for mesh_name, mesh in meshes(expert_count(plan.layout)).items():
+            if mesh_name == "uneven":
+                from reshard.plan import make_plan, summarize
+
+                _, stats = summarize(make_plan(plan.layout, mesh, mode="stock"))
+                result.stock_empty = bool(stats["stock_empty_ranks"])
+                assert result.stock_empty, f"{mesh.describe()} leaves no stock rank empty"
+            out = work / mesh_name
+            write_checkpoint(src, out, mesh, progress=False)
+            result.steps.append(f"write {mesh_name}")
+            verify(out, against=src)
+            result.steps.append(f"verify {mesh_name}")
+            loaded = from_pretrained(out).state_dict()
+            assert loaded.keys() == reference.keys(), f"keys differ: {sorted(loaded.keys() ^ reference.keys())[:4]}"
+            for name, tensor in reference.items():
+                other = loaded[name]
+                assert other.dtype == tensor.dtype, f"{name}: {other.dtype} != {tensor.dtype}"
+                assert torch.equal(other, tensor), f"{name} differs after loading the {mesh_name} folder"
+            result.steps.append(f"load {mesh_name}")
+            del loaded
+            shutil.rmtree(out, ignore_errors=True)
+        result.status = "pass"
+    except Exception as e:  # noqa: BLE001 - recorded; the test fails on it
+        result.status = "fail"
+        result.reason = f"{type(e).__name__}: {e}".strip()
+        result.steps.append(traceback.format_exc(limit=-6))
+    finally:
+        result.seconds = time.monotonic() - start
+    return result
+
+
+# ---- the matrix and its table ---------------------------------------------------------------------------------------
+
+LAYOUTS = ("per-expert", "fused")
+
+
+class Matrix:
+    """Checkpoints and results per (model type, layout), generated on first use under `root`."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.sources: dict[tuple[str, str], Path | None] = {}
+        self.results: dict[tuple[str, str], CaseResult] = {}
+        self.generation_errors: dict[str, str] = {}
+
+    def source(self, model_type: str, layout: str) -> Path | None:
+        """The checkpoint of `model_type` in `layout`, or None when the layouts coincide (fused == per-expert)."""
+        key = (model_type, layout)
+        if key not in self.sources:
+            per_expert = self.root / model_type / "per-expert"
+            if (model_type, "per-expert") not in self.sources:
+                self.sources[(model_type, "per-expert")] = generate(model_type, per_expert, fused=False)
+            if layout == "fused":
+                differ = layouts_differ(model_type, per_expert)
+                self.sources[key] = generate(model_type, self.root / model_type / "fused", fused=True) \
+                    if differ else None
+        return self.sources[key]
+
+    def result(self, model_type: str, layout: str) -> CaseResult | None:
+        key = (model_type, layout)
+        if key not in self.results:
+            try:
+                src = self.source(model_type, layout)
+            except Exception as e:  # noqa: BLE001
+                self.results[key] = CaseResult(model_type, layout, "fail", f"generation failed: "
+                                               f"{type(e).__name__}: {e}", steps=[traceback.format_exc(limit=-6)])
+                return self.results[key]
+            if src is None:
+                return None
+            self.results[key] = check_case(model_type, layout, src, self.root / model_type / f"out-{layout}")
+        return self.results[key]
+
+    def run_all(self, progress=None) -> list[CaseResult]:
+        out = []
+        for cand in runnable():
+            for layout in LAYOUTS:
+                r = self.result(cand.model_type, layout)
+                if r is not None:
+                    out.append(r)
+                    if progress:
+                        progress(r)
+        return out
+
+
+def runnable() -> list[Candidate]:
+    return [c for c in discover() if c.skip is None and not c.missing_tiny]
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def support_table(matrix: Matrix) -> str:
+    """The Markdown support table, from the matrix's results (every discovered type, skips included)."""
+    lines = ["| model type | layouts tested | experts found per layer | result | reason if unsupported |",
+             "|---|---|---|---|---|"]
+    for cand in discover():
+        if cand.skip is not None or cand.missing_tiny:
+            reason = cand.skip or "no tiny config in tests/breadth.py TINY"
+            lines.append(f"| {cand.model_type} | - | - | {'skipped' if cand.skip else 'FAIL'} | {_cell(reason)} |")
+            continue
+        results = [r for r in (matrix.result(cand.model_type, layout) for layout in LAYOUTS) if r is not None]
+        layouts = ", ".join(r.layout for r in results)
+        if len(results) == 1:
+            layouts += " (= fused on disk)"
+        found = next((r for r in results if r.experts), None)
+        if found:
+            e, n, layers = found.experts
+            experts = f"{e} × {', '.join(found.expert_names)} ({layers} of {_layers(cand.model_type)} layers)"
+        else:
+            experts = "none"
+        statuses = {r.status for r in results}
+        status = "fail" if "fail" in statuses else "unsupported" if "unsupported" in statuses else "pass"
+        reasons = sorted({_cell(r.reason) for r in results if r.status != "pass" and r.reason})
+        result = {"pass": "yes", "unsupported": "unsupported", "fail": "FAIL"}[status]
+        lines.append(f"| {cand.model_type} | {layouts} | {experts} | {result} | {'; '.join(reasons)} |")
+    return "\n".join(lines)
+
+
+def _layers(model_type: str) -> int:
+    return tiny_config(model_type).num_hidden_layers if hasattr(tiny_config(model_type), "num_hidden_layers") else 2
+
+
+TABLE_START = "<!-- support-table:start -->"
+TABLE_END = "<!-- support-table:end -->"
+
+
+def readme_table(readme: str | Path) -> str | None:
+    text = Path(readme).read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        return None
+    return text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
