@@ -171,7 +171,7 @@ def read_header(path: Path, *, name: str | None = None) -> FileHeader:
     name = name or path.name
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:  # unbuffered: read the header and not a byte of data
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{name}: the file has {size} bytes, too few for a safetensors header; it is "
@@ -185,6 +185,8 @@ def read_header(path: Path, *, name: str | None = None) -> FileHeader:
                 raise CheckpointError(f"{name}: the header length prefix says {length} bytes but the file has {size}; "
                                       "it is truncated or not a safetensors file.", path=str(path))
             raw = f.read(length)
+            while len(raw) < length and (more := f.read(length - len(raw))):
+                raw += more
     except OSError as e:
         raise CheckpointError(f"{name}: cannot read ({e.strerror or e}).", path=str(path)) from e
     return parse_header(raw, file=name, file_size=size)
@@ -207,9 +209,15 @@ def _checked_file_names(root: Path, index_path: Path, link_root: Path) -> tuple[
             raise TypeError("weight_map is not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index_path.name}: not a valid safetensors index ({e}).", path=str(index_path)) from e
+    first_key: dict = {}
     for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{index_path.name}: entry {key!r} -> {name!r}: not a file name.",
+                                  path=str(index_path))
+        first_key.setdefault(name, key)
+    for name, key in first_key.items():  # each file once: an index lists ~500 keys per file
         where = f"{index_path.name}: entry {key!r} -> {name!r}"
-        if not isinstance(name, str) or not name.endswith(".safetensors"):
+        if not name.endswith(".safetensors"):
             raise CheckpointError(f"{where}: only .safetensors files are supported (convert .bin checkpoints with "
                                   "transformers' save_pretrained first).", path=str(index_path))
         if os.path.isabs(name) or ".." in Path(name).parts:

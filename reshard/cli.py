@@ -68,7 +68,7 @@ revision_option = click.option("--revision", default=None, help="Hub branch, tag
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.version_option(package_name="reshard")
 def cli(debug):
-    """Load MoE checkpoints on FSDP2 x expert-parallel meshes without empty ranks, hangs or full reads.
+    """Load MoE checkpoints on FSDP2 x expert-parallel meshes without crashes, hangs, or every rank reading it all.
 
     \b
     Typical flow:
