@@ -42,7 +42,10 @@ def build_meta_model(config: dict):
             f"model_type {model_type!r} is not known to transformers {transformers.__version__}. "
             "reshard maps keys with transformers' own tables; upgrade transformers or check config.json."
         )
-    hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+    config_class = CONFIG_MAPPING[model_type]
+    # config.json stores inf/nan as {"__float__": "Infinity"}; transformers decodes that when it reads the file
+    decode = getattr(config_class, "_decode_special_floats", None)
+    hf_config = config_class.from_dict(decode(dict(config)) if decode else dict(config))
     candidates = [getattr(transformers, name, None) for name in config.get("architectures") or []]
     candidates = [c for c in candidates if c is not None] + [transformers.AutoModelForCausalLM]
     errors = []

@@ -147,9 +147,13 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
                 if entry.dtype != target.dtype:
                     problems.append(f"{file}: {name} is {entry.dtype}, the source is {target.dtype}")
                     continue
-                out_fd = fds.setdefault(str(folder / file), os.open(folder / file, os.O_RDONLY))
+                if str(folder / file) not in fds:  # (setdefault would open, and leak, a descriptor per call)
+                    fds[str(folder / file)] = os.open(folder / file, os.O_RDONLY)
+                out_fd = fds[str(folder / file)]
                 for run in chunk_runs(target, box, index.tensors):
-                    src_fd = fds.setdefault(run.file, os.open(index.path_of(run.file), os.O_RDONLY))
+                    if run.file not in fds:
+                        fds[run.file] = os.open(index.path_of(run.file), os.O_RDONLY)
+                    src_fd = fds[run.file]
                     done = 0
                     while done < run.nbytes:
                         n = min(run.nbytes - done, len(buffer) // 2)

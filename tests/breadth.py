@@ -3,29 +3,33 @@
 Used by `tests/test_breadth.py` and `scripts/support_table.py` (a plain module, not a test file).
 
 - `discover()` finds the MoE model types in transformers itself: every model type of
-  `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built on the meta device from its config defaults with the tiny overrides
-  (`tiny_config`), and kept when the model's EP plan has an `ep_dispatch_experts` module or one of its modules is
-  called `experts`. Config types outside the causal-LM mapping whose config (or sub-config) declares an EP plan are
-  listed too, as skips with a reason (multimodal wrappers, encoders). Nothing is dropped silently: a discovered type
-  with no `TINY` entry is a `Candidate` with `missing_tiny=True`, which the tests fail on.
+  `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built on the meta device (config defaults plus the tiny overrides), and
+  kept when the model's EP plan has an `ep_dispatch_experts` module or one of its modules is called `experts`, or
+  when its config (or a sub-config) declares such an EP plan or has a field about experts (`num_experts`,
+  `is_moe`, ...). Multimodal wrappers of a discovered text type, and config types with an EP plan outside the
+  causal-LM mapping, are listed as skips with a reason. Nothing is dropped silently: a discovered type with no
+  `TINY` entry is a `Candidate` with `missing_tiny=True`, which the tests fail on.
 - `TINY` holds the tiny-config overrides per model type (hidden 64, 2 layers, 4 experts, small heads), following
   ARCHITECTURES.md section 6.9 (MLA models: `num_key_value_heads == num_attention_heads`; group routing: `n_group`
   divides the expert count; explicit `layer_types` / `mlp_layer_types`; dense-first-layer defaults turned so that
   layer 1 is MoE).
-- `generate()` writes a checkpoint with `save_pretrained`, per-expert (`save_original_format=True`) or fused
-  (`save_original_format=False`), after re-randomising every all-zero floating tensor except rotary ones
+- `generate()` writes a checkpoint with `save_pretrained`: layout `original` (`save_original_format=True`, the
+  published key layout: per-expert keys for most types) or `fused` (`save_original_format=False`, the in-memory
+  keys; only where the two differ), after re-randomising every all-zero floating tensor except rotary ones
   (ARCHITECTURES.md 6.6).
-- `check_case()` runs one (model type, layout): plan, write at two meshes, verify against the source, load whole
-  in one process and compare with transformers' own load. It returns a `CaseResult`; `support_table()` renders the
-  results as the Markdown table README.md carries.
+- `check_case()` runs one (model type, layout): plan, write at two meshes (the uneven one in the balanced and the
+  stock layout), verify against the source, load whole in one process and compare with transformers' own load.
+  It returns a `CaseResult`; `support_table()` renders the results as the Markdown table README.md carries.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -35,10 +39,10 @@ from reshard.tiny import BASE as _TINY_BASE
 # hidden 64, dense FFN 96, 2 layers, 4 heads (2 KV heads, head_dim 16), vocab 512, untied; pad id inside the vocab
 BASE = {**_TINY_BASE, "pad_token_id": 0}
 
-_E = 4  # routed experts: ep 2 possible, and fsdp 3 leaves stock ranks empty
+_E = 4  # routed experts: ep 2 fits, and fsdp 6 x ep 2 leaves stock expert ranks empty (see `meshes`)
 _MOE = dict(moe_intermediate_size=24)
-_MLA = dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-            v_head_dim=16)
+_MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, head_dim=8)  # rotary tables follow head_dim: it must equal qk_rope_head_dim
 _INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
 _LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
 _TWO = ["full_attention", "full_attention"]
@@ -62,7 +66,8 @@ TINY: dict[str, dict] = {
                         layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"],
                         sliding_window=8),
     "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
-                 attn_config=dict(kv_n_heads=2), ffn_config=dict(ffn_hidden_size=24, moe_num_experts=_E, moe_top_k=2)),
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=24, moe_num_experts=_E, moe_top_k=2)),
     "deepseek_v2": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                         **_MLA, **_MOE),
     "deepseek_v3": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
@@ -75,11 +80,12 @@ TINY: dict[str, dict] = {
                         layer_types=["sliding_attention", "compressed_sparse_attention"],
                         mlp_layer_types=["hash_moe", "moe"], sliding_window=8, index_n_heads=2, index_head_dim=16,
                         index_topk=4, hc_mult=2, num_nextn_predict_layers=0, **_MOE),
+    "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),
     "dots1": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                   layer_types=_TWO, **_MOE),
     "dots3_note_text": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,
                             mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention", "sliding_attention"],
-                            shared_experts_intermediate_size=48, sliding_window=8, head_dim=16, **_MLA, **_INDEXER,
+                            shared_experts_intermediate_size=48, sliding_window=8, **_MLA, **_INDEXER,
                             **_MOE),
     "ernie4_5_moe": dict(moe_num_experts=_E, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1,
                          moe_layer_end_index=1, **_MOE),
@@ -116,7 +122,7 @@ TINY: dict[str, dict] = {
                   layer_types=["indexed_attention", "indexed_attention"], indexer_types=["full", "shared"], hc_mult=2,
                   **{**_MLA, "q_lora_rank": 32}, **_INDEXER, **_MOE),
     "inkling2_text": dict(n_routed_experts=_E, num_experts_per_tok=2, swa_num_attention_heads=4,
-                          swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, unpadded_vocab_size=None,
+                          swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, unpadded_vocab_size=512,
                           layer_types=["hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=1, **_MOE),
     "inkling_text": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, swa_num_attention_heads=4,
                          swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
@@ -138,7 +144,7 @@ TINY: dict[str, dict] = {
                         interleave_moe_layer_step=2, moe_layers=None, layer_types=["chunked_attention",
                         "full_attention"], attention_chunk_size=8),
     "longcat_flash": dict(n_routed_experts=_E, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=24,
-                          ffn_hidden_size=96, num_layers=1, head_dim=8, **_MLA),
+                          ffn_hidden_size=96, num_layers=1, **_MLA),
     "mellum": dict(num_local_experts=_E, num_experts_per_tok=2, layer_types=_TWO, mlp_layer_types=["sparse", "sparse"],
                    **_MOE),
     "mimo_v2_flash": dict(n_routed_experts=_E, num_experts_per_tok=2, v_head_dim=16,
@@ -165,7 +171,9 @@ TINY: dict[str, dict] = {
                        layer_types=["linear_attention", "full_attention"], **_LINEAR, **_MOE),
     "qwen4_exp_text": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,
                            layer_types=["linear_attention", "full_attention"], hc_lowrank=8, ple_embed_dim=16,
-                           heads_per_ngram=2, ngram_vocab_size_base=512, **_LINEAR, **_MOE),
+                           heads_per_ngram=2, ngram_vocab_size_base=512,
+                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=2, **_LINEAR, **_MOE),
     "solar_open": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, **_MOE),
     "zaya": dict(num_experts=_E, num_experts_per_tok=1, layer_types=["hybrid", "hybrid"], router_hidden_size=16,
                  **_MOE),
@@ -181,12 +189,11 @@ def _quiet():
     transformers.logging.disable_progress_bar()
 
 
-def tiny_config(model_type: str, *, tiny: bool = True):
+def tiny_config(model_type: str):
     """The config class's defaults with BASE and the `TINY` overrides (BASE only when the type has no entry)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    overrides = {**BASE, **TINY.get(model_type, {})} if tiny else {}
-    return CONFIG_MAPPING[model_type](**overrides)
+    return CONFIG_MAPPING[model_type](**{**BASE, **TINY.get(model_type, {})})
 
 
 def causal_class(model_type: str):
@@ -247,17 +254,28 @@ def _config_declares_ep(config_class) -> bool:
 
 
 def _sub_config_types(config_class) -> list[str]:
-    out = []
-    for sub in (getattr(config_class, "sub_configs", None) or {}).values():
-        model_type = getattr(sub, "model_type", None)
-        if model_type:
-            out.append(model_type)
-    return out
+    return [t for t in (getattr(sub, "model_type", None) for sub in (getattr(config_class, "sub_configs", None)
+                                                                       or {}).values()) if t]
+
+
+def _config_names_experts(config_class) -> bool:
+    """The config (a dataclass in transformers 5) has a field about experts (`num_experts`, `is_moe`, ...)."""
+    import dataclasses
+
+    try:
+        return any("expert" in f.name or f.name.startswith("is_moe") for f in dataclasses.fields(config_class))
+    except TypeError:
+        return False
 
 
 @lru_cache(maxsize=None)
 def discover() -> tuple[Candidate, ...]:
-    """The MoE model types of the installed transformers, sorted by model type (see the module docstring)."""
+    """The MoE model types of the installed transformers, sorted by model type (see the module docstring).
+
+    A causal-LM type is MoE when its tiny meta build has an `ep_dispatch_experts` module in its EP plan or a module
+    called `experts`, or (whether it builds or not) its config or a sub-config declares an `ep_dispatch_experts` EP
+    plan or has a config field naming experts.
+    """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -266,34 +284,24 @@ def discover() -> tuple[Candidate, ...]:
     for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         if model_type not in CONFIG_MAPPING_NAMES:
             continue
-        model = None
-        for tiny in (True, False):  # the tiny build, else the plain defaults (still on meta) just to classify it
-            try:
-                if tiny:
-                    model = meta_model(model_type)
-                else:
-                    import torch
-
-                    with torch.device("meta"):
-                        model = causal_class(model_type)(tiny_config(model_type, tiny=False))
-                break
-            except Exception:  # noqa: BLE001 - a type that does not build is classified by its config below
-                continue
-        if model is not None:
-            has_ep = bool(ep_expert_modules(model))
-            is_moe = has_ep or bool(experts_submodules(model)) or model_type in TINY
-        else:
-            has_ep = _config_declares_ep(CONFIG_MAPPING[model_type])
-            is_moe = has_ep or model_type in TINY
-        if is_moe:
+        config_class = CONFIG_MAPPING[model_type]
+        by_config = _config_declares_ep(config_class) or _config_names_experts(config_class) or any(
+            _config_declares_ep(CONFIG_MAPPING[t]) for t in _sub_config_types(config_class)
+            if t in CONFIG_MAPPING_NAMES)
+        try:
+            model = meta_model(model_type)
+        except Exception:  # noqa: BLE001 - a type that does not build tiny is classified by its config alone
+            model = None
+        has_ep = model is not None and bool(ep_expert_modules(model))
+        by_model = model is not None and (has_ep or bool(experts_submodules(model)))
+        if by_model or by_config or model_type in TINY:
             found[model_type] = Candidate(model_type, class_name, has_ep_plan=has_ep,
                                           missing_tiny=model_type not in TINY)
-    # wrappers: a causal type whose config holds a text sub-config that is itself a discovered type
+    # wrappers: a causal type whose config holds a sub-config that is itself a discovered type
     for model_type, cand in found.items():
         subs = [t for t in _sub_config_types(CONFIG_MAPPING[model_type]) if t in found and t != model_type]
         if subs and model_type not in TINY:
-            cand.skip = (f"multimodal wrapper of `{subs[0]}` (text model covered as its own type); vision/audio "
-                         "towers not generated")
+            cand.skip = f"multimodal wrapper: its MoE text model `{subs[0]}` is tested as its own type"
             cand.missing_tiny = False
     # config types outside the causal-LM mapping whose config or sub-config declares an EP plan
     for model_type in CONFIG_MAPPING_NAMES:
@@ -306,28 +314,32 @@ def discover() -> tuple[Candidate, ...]:
         subs = [t for t in _sub_config_types(config_class) if t in CONFIG_MAPPING_NAMES
                 and _config_declares_ep(CONFIG_MAPPING[t])]
         if _config_declares_ep(config_class):
-            found[model_type] = Candidate(model_type, None, skip="no causal-LM class in "
-                                          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (a sub-model of a multimodal model)")
+            found[model_type] = Candidate(model_type, None, skip="not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: no "
+                                          "AutoModelForCausalLM class to generate and compare with")
         elif subs:
-            found[model_type] = Candidate(model_type, None, skip=f"no causal-LM class (multimodal model; its MoE "
-                                          f"text part is `{subs[0]}`)")
+            found[model_type] = Candidate(model_type, None, skip=f"not a causal LM (multimodal model; its MoE part "
+                                          f"is `{subs[0]}`)")
     return tuple(sorted(found.values(), key=lambda c: c.model_type))
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------------
 
-def generate(model_type: str, path: str | Path, *, fused: bool, seed: int = 0) -> Path:
-    """Write a tiny random `model_type` checkpoint (float32) and return its folder."""
+def generate(model_type: str, path: str | Path, *, fused: bool, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random `model_type` checkpoint (float32) and return its folder (`overrides`: config fields)."""
     import torch
 
     _quiet()
     torch.manual_seed(seed)
-    model = causal_class(model_type)(tiny_config(model_type))
+    config = tiny_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = causal_class(model_type)(config)
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if tensor.is_floating_point() and "rotary" not in name and tensor.numel() and \
                     not torch.count_nonzero(tensor):
                 tensor.copy_(torch.randn(tensor.shape, dtype=torch.float32).to(tensor.dtype))
+        model(torch.tensor([[1, 5, 9, 33, 7, 2, 100, 42]]))  # the tiny config must give a working model
     path = Path(path)
     model.save_pretrained(path, save_original_format=not fused)
     return path
@@ -339,9 +351,9 @@ def saved_keys(folder: Path) -> set[str]:
     return set(read_checkpoint(folder).tensors)
 
 
-def layouts_differ(model_type: str, per_expert: Path) -> bool:
-    """Whether `save_original_format=False` would write other keys than the per-expert save did."""
-    return saved_keys(per_expert) != set(meta_model(model_type).state_dict())
+def layouts_differ(model_type: str, original: Path) -> bool:
+    """Whether `save_original_format=False` would write other keys than the original-format save did."""
+    return saved_keys(original) != set(meta_model(model_type).state_dict())
 
 
 def expert_count(layout) -> int:
@@ -359,6 +371,26 @@ def meshes(num_experts: int):
     if num_experts % 2 == 0:
         return {"uneven": MeshSpec(fsdp=num_experts + 2, ep=2), "even": MeshSpec(fsdp=num_experts, ep=2)}
     return {"uneven": MeshSpec(fsdp=num_experts + 1), "even": MeshSpec(fsdp=num_experts)}
+
+
+@contextmanager
+def _closing_leaked_fds():
+    """Close the file descriptors a call leaves open.
+
+    Workaround for a leak in `reshard.verify._compare_with_source` (`fds.setdefault(path, os.open(path))` opens the
+    file again on every run): about 1,800 descriptors per tiny verify, so the matrix hits the open-files limit.
+    """
+    before = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            for fd in set(os.listdir("/proc/self/fd")) - before:
+                try:
+                    if os.path.isfile(os.readlink(f"/proc/self/fd/{fd}")):
+                        os.close(int(fd))
+                except OSError:
+                    pass
 
 
 # ---- one case -------------------------------------------------------------------------------------------------------
@@ -399,18 +431,26 @@ def _expert_summary(layout):
     return (experts[0].shape[0], per_layer, len(layers)), names
 
 
-def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResult:
-    """Plan, write at two meshes, verify and load `src` (a checkpoint of `model_type` in `layout`).
+NO_EP_PLAN = "the model's EP plan names no `ep_dispatch_experts` module, so reshard finds no routed experts"
 
-    Raises AssertionError inside only to mark the result failed; never raises itself.
+
+def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResult:
+    """Plan, write at two meshes (the uneven one in both layout modes), verify and load `src`.
+
+    `src` is a checkpoint of `model_type` in `layout`. Problems are recorded in the result, never raised.
     """
     import torch
 
     from reshard.api import plan_checkpoint, write_checkpoint
     from reshard.errors import ReshardError
+    from reshard.layout import Role
     from reshard.loader import from_pretrained
     from reshard.mesh import MeshSpec
+    from reshard.plan import box_is_empty, make_plan
     from reshard.verify import verify
+
+    def clean(message: str) -> str:  # no temporary paths in reasons: the support table must be reproducible
+        return str(message).replace(str(work), "<out>").replace(str(src), "<src>")
 
     _quiet()
     result = CaseResult(model_type, layout)
@@ -419,28 +459,24 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
         try:
             plan = plan_checkpoint(src, MeshSpec(fsdp=2))
         except ReshardError as e:
-            result.status, result.reason = "unsupported", str(e)
+            result.status, result.reason = "unsupported", clean(e)
             return result
         if plan is None:
-            result.status = "unsupported"
-            result.reason = "plan_checkpoint found no routed experts (the model has no `ep_dispatch_experts` in its " \
-                            "EP plan)"
+            assert not ep_expert_params(meta_model(model_type)), "plan_checkpoint missed the EP plan's experts"
             try:
                 write_checkpoint(src, work / "refused", MeshSpec(fsdp=2), progress=False)
             except ReshardError as e:
-                result.reason += f"; write_checkpoint: {e}"
+                result.status, result.reason = "unsupported", f"{NO_EP_PLAN}; write: {clean(e)}"
             else:
-                raise AssertionError("write_checkpoint wrote a checkpoint plan_checkpoint found no experts in")
+                raise AssertionError("write_checkpoint wrote a checkpoint in which plan_checkpoint found no experts")
             return result
         result.steps.append("plan")
         result.experts, result.expert_names = _expert_summary(plan.layout)
-        # exactly the EP plan's expert parameters are experts; routers, shared experts, biases are not
+        # exactly the EP plan's expert parameters are experts; routers, shared experts and biases are not
         found = {t.name for t in plan.layout.experts}
         expected = ep_expert_params(meta_model(model_type))
-        assert found == expected, (f"experts found {sorted(found - expected)[:4]} beyond the EP plan's, missing "
-                                   f"{sorted(expected - found)[:4]}")
-        from reshard.layout import Role
-
+        assert found == expected, (f"experts found beyond the EP plan's: {sorted(found - expected)[:4]}, "
+                                   f"EP-plan experts missed: {sorted(expected - found)[:4]}")
         for t in plan.layout.tensors:
             if re.search(r"shared_expert|shared_mlp|e_score_correction_bias|expert_bias|router|\.gate\.", t.name):
                 assert t.role is not Role.EXPERT, f"{t.name} is not a routed expert"
@@ -449,31 +485,31 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
 
         reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
         for mesh_name, mesh in meshes(expert_count(plan.layout)).items():
+            stock = make_plan(plan.layout, mesh, mode="stock")
+            empty = any(box_is_empty(box) for tp in stock.tensors if tp.tensor.role is Role.EXPERT
+                        for box in tp.boxes(mesh, stock=True))
+            assert empty == (mesh_name == "uneven"), f"{mesh.describe()}: stock empty expert ranks: {empty}"
             if mesh_name == "uneven":
-                from reshard.plan import make_plan, summarize
-
-                _, stats = summarize(make_plan(plan.layout, mesh, mode="stock"))
-                result.stock_empty = bool(stats["stock_empty_ranks"])
-                assert result.stock_empty, f"{mesh.describe()} leaves no stock rank empty"
-            out = work / mesh_name
-            write_checkpoint(src, out, mesh, progress=False)
-            result.steps.append(f"write {mesh_name}")
-            verify(out, against=src)
-            result.steps.append(f"verify {mesh_name}")
-            loaded = from_pretrained(out).state_dict()
-            assert loaded.keys() == reference.keys(), f"keys differ: {sorted(loaded.keys() ^ reference.keys())[:4]}"
-            for name, tensor in reference.items():
-                other = loaded[name]
-                assert other.dtype == tensor.dtype, f"{name}: {other.dtype} != {tensor.dtype}"
-                assert torch.equal(other, tensor), f"{name} differs after loading the {mesh_name} folder"
-            result.steps.append(f"load {mesh_name}")
-            del loaded
-            shutil.rmtree(out, ignore_errors=True)
+                result.stock_empty = empty
+            for mode in ("balanced", "stock") if mesh_name == "uneven" else ("balanced",):
+                out = work / f"{mesh_name}-{mode}"
+                write_checkpoint(src, out, mesh, mode=mode, progress=False)
+                with _closing_leaked_fds():
+                    verify(out, against=src)
+                loaded = from_pretrained(out).state_dict()
+                assert loaded.keys() == reference.keys(), \
+                    f"keys differ: {sorted(loaded.keys() ^ reference.keys())[:4]}"
+                for name, tensor in reference.items():
+                    assert loaded[name].dtype == tensor.dtype, f"{name}: {loaded[name].dtype} != {tensor.dtype}"
+                    assert torch.equal(loaded[name], tensor), f"{name} differs after loading {out.name}"
+                result.steps.append(f"{out.name}: written, verified, loaded")
+                del loaded
+                shutil.rmtree(out, ignore_errors=True)
         result.status = "pass"
     except Exception as e:  # noqa: BLE001 - recorded; the test fails on it
         result.status = "fail"
-        result.reason = f"{type(e).__name__}: {e}".strip()
-        result.steps.append(traceback.format_exc(limit=-6))
+        result.reason = clean(f"{type(e).__name__}: {e}".strip())
+        result.steps.append(traceback.format_exc(limit=-8))
     finally:
         result.seconds = time.monotonic() - start
     return result
@@ -481,7 +517,7 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
 
 # ---- the matrix and its table ---------------------------------------------------------------------------------------
 
-LAYOUTS = ("per-expert", "fused")
+LAYOUTS = ("original", "fused")
 
 
 class Matrix:
@@ -491,17 +527,16 @@ class Matrix:
         self.root = Path(root)
         self.sources: dict[tuple[str, str], Path | None] = {}
         self.results: dict[tuple[str, str], CaseResult] = {}
-        self.generation_errors: dict[str, str] = {}
 
     def source(self, model_type: str, layout: str) -> Path | None:
-        """The checkpoint of `model_type` in `layout`, or None when the layouts coincide (fused == per-expert)."""
+        """The checkpoint of `model_type` in `layout`, or None when the layouts coincide (fused == original)."""
         key = (model_type, layout)
         if key not in self.sources:
-            per_expert = self.root / model_type / "per-expert"
-            if (model_type, "per-expert") not in self.sources:
-                self.sources[(model_type, "per-expert")] = generate(model_type, per_expert, fused=False)
+            original = self.root / model_type / "original"
+            if (model_type, "original") not in self.sources:
+                self.sources[(model_type, "original")] = generate(model_type, original, fused=False)
             if layout == "fused":
-                differ = layouts_differ(model_type, per_expert)
+                differ = layouts_differ(model_type, original)
                 self.sources[key] = generate(model_type, self.root / model_type / "fused", fused=True) \
                     if differ else None
         return self.sources[key]
@@ -540,35 +575,36 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+_RESULT = {"pass": "yes", "unsupported": "unsupported", "fail": "FAIL"}
+
+
 def support_table(matrix: Matrix) -> str:
-    """The Markdown support table, from the matrix's results (every discovered type, skips included)."""
+    """The Markdown support table from the matrix's results: every discovered type, skipped ones included."""
     lines = ["| model type | layouts tested | experts found per layer | result | reason if unsupported |",
              "|---|---|---|---|---|"]
     for cand in discover():
         if cand.skip is not None or cand.missing_tiny:
-            reason = cand.skip or "no tiny config in tests/breadth.py TINY"
+            reason = cand.skip or "discovered as MoE but tests/breadth.py TINY has no tiny config for it"
             lines.append(f"| {cand.model_type} | - | - | {'skipped' if cand.skip else 'FAIL'} | {_cell(reason)} |")
             continue
         results = [r for r in (matrix.result(cand.model_type, layout) for layout in LAYOUTS) if r is not None]
-        layouts = ", ".join(r.layout for r in results)
-        if len(results) == 1:
-            layouts += " (= fused on disk)"
+        layouts = ", ".join(r.layout for r in results) + (" (= fused)" if len(results) == 1 else "")
         found = next((r for r in results if r.experts), None)
         if found:
-            e, n, layers = found.experts
-            experts = f"{e} × {', '.join(found.expert_names)} ({layers} of {_layers(cand.model_type)} layers)"
+            e, _, layers = found.experts
+            total = getattr(tiny_config(cand.model_type), "num_hidden_layers", None)
+            experts = f"{e} × {', '.join(found.expert_names)} ({layers} of {total} layers)"
         else:
             experts = "none"
         statuses = {r.status for r in results}
-        status = "fail" if "fail" in statuses else "unsupported" if "unsupported" in statuses else "pass"
-        reasons = sorted({_cell(r.reason) for r in results if r.status != "pass" and r.reason})
-        result = {"pass": "yes", "unsupported": "unsupported", "fail": "FAIL"}[status]
+        if len(statuses) == 1:
+            result = _RESULT[statuses.pop()]
+            reasons = sorted({_cell(r.reason) for r in results if r.status != "pass"})
+        else:
+            result = "; ".join(f"{r.layout}: {_RESULT[r.status]}" for r in results)
+            reasons = [f"{r.layout}: {_cell(r.reason)}" for r in results if r.status != "pass"]
         lines.append(f"| {cand.model_type} | {layouts} | {experts} | {result} | {'; '.join(reasons)} |")
     return "\n".join(lines)
-
-
-def _layers(model_type: str) -> int:
-    return tiny_config(model_type).num_hidden_layers if hasattr(tiny_config(model_type), "num_hidden_layers") else 2
 
 
 TABLE_START = "<!-- support-table:start -->"
