@@ -55,17 +55,29 @@ def build_meta_model(config: dict):
                 if hasattr(model_class, "from_config"):
                     return model_class.from_config(hf_config)
                 return model_class(hf_config)
-        except (ValueError, TypeError, AttributeError, KeyError) as e:
+        except Exception as e:  # a model's __init__ can raise anything on a bad config (AssertionError too)
             errors.append(f"{getattr(model_class, '__name__', model_class)}: {e}")
     raise ArchitectureError(f"model_type {model_type!r}: could not build the model on the meta device "
                             f"({'; '.join(errors)}).")
 
 
-def expert_param_names(model) -> set[str]:
-    """Parameters of the modules the model's EP plan dispatches to experts (`ep_dispatch_experts`)."""
+def expert_param_names(model) -> tuple[set[str], bool]:
+    """The routed-expert parameters, and whether transformers can expert-parallelize them.
+
+    The parameters of the modules the model's EP plan dispatches to experts (`ep_dispatch_experts`). A model with
+    no such plan (Llama 4, DBRX, JetMoE in transformers 5.23) still has FSDP chunk its stacked experts on dim 0,
+    so the parameters under its `experts` modules count as experts for planning, with ep = 1 only.
+    """
     plan = model._expand_parallel_plan(dict(getattr(model, "ep_plan", None) or {}))
     modules = {name for name, style in plan.items() if style == "ep_dispatch_experts"}
-    return {f"{m}.{p}" for m in modules for p, _ in model.get_submodule(m).named_parameters(recurse=False)}
+    if modules:
+        return {f"{m}.{p}" for m in modules for p, _ in model.get_submodule(m).named_parameters(recurse=False)}, True
+    names = set()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts":
+            names.update(f"{name}.{p}" for p, t in module.named_parameters()
+                         if t.ndim >= 2 and not _ROUTER.search(p))  # a router nested in `experts` stays dense
+    return names, False
 
 
 def find_experts(index: CheckpointIndex) -> ModelLayout:
@@ -100,7 +112,7 @@ def layout_from_model(model, index: CheckpointIndex) -> ModelLayout:
     model_type = index.config["model_type"]
     meta_state = model.state_dict()
     buffers = {name for name, _ in model.named_buffers()}
-    experts = expert_param_names(model)
+    experts, expert_parallel = expert_param_names(model)
     mapping = get_model_conversion_mapping(model, None, None)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
@@ -135,7 +147,7 @@ def layout_from_model(model, index: CheckpointIndex) -> ModelLayout:
             raise CheckpointError(f"{name}: its on-disk pieces have mixed dtypes {sorted(dtypes)}.", path=index.source)
         tensors.append(TargetTensor(name, shape, dtypes.pop(), _role(name, name in experts), name not in buffers,
                                     tuple(pieces)))
-    return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored))
+    return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored), expert_parallel)
 
 
 def _compose(name, shape, groups, by_pattern, index, model_type) -> list[Piece]:

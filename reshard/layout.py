@@ -77,12 +77,14 @@ class ModelLayout:
         architecture: the model class that was built on the meta device.
         tensors: the state-dict entries in model order.
         ignored_sources: on-disk keys the model does not use (e.g. MTP layers transformers drops).
+        expert_parallel: whether transformers has an EP plan for the experts (else only ep = 1 is possible).
     """
 
     model_type: str
     architecture: str
     tensors: tuple[TargetTensor, ...]
     ignored_sources: tuple[str, ...] = ()
+    expert_parallel: bool = True
 
     @property
     def experts(self) -> tuple[TargetTensor, ...]:

@@ -184,6 +184,9 @@ def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = L
     experts = layout.experts
     if mesh.ep > 1 and not experts:
         raise MeshError(f"--ep {mesh.ep}: {layout.model_type} has no expert-parallel tensors; use --ep 1.")
+    if mesh.ep > 1 and not layout.expert_parallel:
+        raise MeshError(f"--ep {mesh.ep}: transformers has no expert-parallel plan for {layout.model_type} (its experts "
+                        "are sharded by FSDP only); use --ep 1.")
     for tensor in experts:
         if mesh.ep > 1 and tensor.shape[0] % mesh.ep:
             raise MeshError(f"{tensor.name}: num_experts ({tensor.shape[0]}) is not divisible by ep ({mesh.ep}); "

@@ -22,7 +22,7 @@ TINY = {
                       first_k_dense_replace=1, n_group=1, topk_group=1), "n_routed_experts"),
     "deepseek_v3": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
                          first_k_dense_replace=1, n_group=2, topk_group=1, num_key_value_heads=4, q_lora_rank=None,
-                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), "n_routed_experts"),
+                         kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=16), "n_routed_experts"),
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), "num_local_experts"),
 }
 

@@ -24,6 +24,7 @@ Used by `tests/test_breadth.py` and `scripts/support_table.py` (a plain module, 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -229,6 +230,13 @@ def experts_submodules(model) -> list[str]:
     return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
 
 
+def fsdp_only_expert_params(model) -> set[str]:
+    """Without an EP plan, the stacked (2-D or more) parameters under `experts` modules: FSDP chunks them on dim 0."""
+    return {f"{m}.{p}" for m in experts_submodules(model)
+            for p, t in model.get_submodule(m).named_parameters()
+            if t.ndim >= 2 and not re.search(r"(^|\.)(router|gate)\.", p)}  # a nested router is not an expert
+
+
 @dataclass
 class Candidate:
     """One MoE model type found in transformers.
@@ -415,6 +423,7 @@ class CaseResult:
     experts: tuple[int, int, int] | None = None
     expert_names: tuple[str, ...] = ()
     stock_empty: bool | None = None
+    expert_parallel: bool | None = None
     seconds: float = 0.0
     steps: list[str] = field(default_factory=list)
 
@@ -472,9 +481,13 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
             return result
         result.steps.append("plan")
         result.experts, result.expert_names = _expert_summary(plan.layout)
+        result.expert_parallel = plan.layout.expert_parallel
         # exactly the EP plan's expert parameters are experts; routers, shared experts and biases are not
         found = {t.name for t in plan.layout.experts}
         expected = ep_expert_params(meta_model(model_type))
+        assert plan.layout.expert_parallel == bool(expected)
+        if not expected:  # no EP plan: the experts FSDP alone shards, planned for ep = 1
+            expected = fsdp_only_expert_params(meta_model(model_type))
         assert found == expected, (f"experts found beyond the EP plan's: {sorted(found - expected)[:4]}, "
                                    f"EP-plan experts missed: {sorted(expected - found)[:4]}")
         for t in plan.layout.tensors:
@@ -484,7 +497,12 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
-        for mesh_name, mesh in meshes(expert_count(plan.layout)).items():
+        sizes = {t.shape[0] for t in plan.layout.experts}
+        if plan.layout.expert_parallel:
+            case_meshes = meshes(expert_count(plan.layout))
+        else:  # FSDP only; expert tensors may differ on dim 0 (LongCat's zero experts): even = their gcd
+            case_meshes = {"uneven": MeshSpec(fsdp=max(sizes) + 1), "even": MeshSpec(fsdp=math.gcd(*sizes))}
+        for mesh_name, mesh in case_meshes.items():
             stock = make_plan(plan.layout, mesh, mode="stock")
             empty = any(box_is_empty(box) for tp in stock.tensors if tp.tensor.role is Role.EXPERT
                         for box in tp.boxes(mesh, stock=True))
@@ -603,6 +621,8 @@ def support_table(matrix: Matrix) -> str:
         else:
             result = "; ".join(f"{r.layout}: {_RESULT[r.status]}" for r in results)
             reasons = [f"{r.layout}: {_cell(r.reason)}" for r in results if r.status != "pass"]
+        if found and found.expert_parallel is False and "yes" in result:
+            result = result.replace("yes", "yes, ep 1 only (transformers has no EP plan for it)")
         lines.append(f"| {cand.model_type} | {layouts} | {experts} | {result} | {'; '.join(reasons)} |")
     return "\n".join(lines)
 

@@ -19,8 +19,8 @@ CANDIDATES = breadth.discover()
 
 # (model type, layout) -> the exact reason reshard gives; layout None: every layout
 UNSUPPORTED: dict[tuple[str, str | None], str] = {
-    **{(t, None): f"{breadth.NO_EP_PLAN}; write: <src>: no routed experts found (not a MoE checkpoint); nothing to "
-                  "reshard." for t in ("dbrx", "doge", "jetmoe", "llama4_text", "longcat_flash")},
+    ("doge", None): f"{breadth.NO_EP_PLAN}; write: <src>: no routed experts found (not a MoE checkpoint); nothing to "
+                    "reshard.",
     ("inkling2_text", "original"): "inkling2_text: model.layers.0.mlp.experts.gate_up_proj is built with "
                                    "['Interleave']; reshard composes only MergeModulelist, Concatenate and "
                                    "shape-checked Transpose so far. This model type is not supported yet.",
@@ -127,9 +127,7 @@ def test_dtype_and_tied_variants(tmp_path, model_type, dtype, tied, layout):
 MULTIRANK = [  # model type, config overrides, fsdp, ep: stock transformers leaves expert ranks empty in each
     pytest.param("gpt_oss", {"num_local_experts": 2}, 4, 2, id="gpt_oss-fused-biases-2experts-ep2-fsdp4"),
     pytest.param("deepseek_v3", {"n_routed_experts": 6}, 4, 1, id="deepseek_v3-shared-bias-6experts-fsdp4"),
-    pytest.param("llama4_text", {}, 4, 1, id="llama4_text-fsdp4", marks=pytest.mark.skip(
-        reason="reshard refuses llama4_text: transformers 5.23 gives Llama 4 no EP plan (its experts shard with the "
-               "TP plan), so reshard finds no routed experts (see UNSUPPORTED)")),
+    pytest.param("llama4_text", {"num_local_experts": 2}, 4, 1, id="llama4_text-fused-2experts-fsdp4"),
 ]
 
 

@@ -68,6 +68,8 @@ def main():
         report["traceback"] = traceback.format_exc()[-3000:]
         with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
+        if type(e).__name__ == "LoadError":
+            dist.barrier()  # reshard's errors are raised on every rank together: let each one report before exiting
         os._exit(3)
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
