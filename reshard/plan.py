@@ -248,7 +248,8 @@ def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
     counts: dict[tuple, int] = {}
     stock_bytes = [0] * mesh.num_shard_groups
     planned_bytes = [0] * mesh.num_shard_groups
-    empty = {"stock_tensors": 0, "planned_tensors": 0, "stock_ranks": set(), "planned_ranks": set()}
+    empty = {"stock_tensors": 0, "planned_tensors": 0, "stock_ranks": set(), "planned_ranks": set(),
+             "stock_expert_tensors": 0, "planned_expert_tensors": 0}
     for tp in plan.tensors:
         t = tp.tensor
         key = (family_of(t.name), t.shape, t.dtype, tp.stock, tp.planned)
@@ -262,12 +263,12 @@ def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
                 stock_bytes[f] += _nbytes(box, t.dtype)
             for f, box in enumerate(tp.boxes(mesh)):
                 planned_bytes[f] += _nbytes(box, t.dtype)
-        if fam.stock_empty:
-            empty["stock_tensors"] += 1
-            empty["stock_ranks"].update(fam.stock_empty)
-        if fam.planned_empty:
-            empty["planned_tensors"] += 1
-            empty["planned_ranks"].update(fam.planned_empty)
+        for side in ("stock", "planned"):
+            ranks = fam.stock_empty if side == "stock" else fam.planned_empty
+            if ranks:
+                empty[f"{side}_tensors"] += 1
+                empty[f"{side}_expert_tensors"] += t.role is Role.EXPERT
+                empty[f"{side}_ranks"].update(ranks)
     out = [FamilySummary(**{**f.__dict__, "count": counts[k]}) for k, f in families.items()]
 
     def ratio(values):
@@ -278,8 +279,10 @@ def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
         "tensors": len(plan.tensors),
         "expert_tensors": sum(1 for tp in plan.tensors if tp.tensor.role is Role.EXPERT),
         "stock_empty_tensors": empty["stock_tensors"],
+        "stock_empty_expert_tensors": empty["stock_expert_tensors"],
         "stock_empty_ranks": sorted(empty["stock_ranks"]),
         "planned_empty_tensors": empty["planned_tensors"],
+        "planned_empty_expert_tensors": empty["planned_expert_tensors"],
         "planned_empty_ranks": sorted(empty["planned_ranks"]),
         "stock_expert_bytes_max": max(stock_bytes),
         "stock_expert_bytes_mean": sum(stock_bytes) / len(stock_bytes),

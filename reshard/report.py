@@ -75,16 +75,17 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         "",
         f"routed experts (rank map: rows on the split dim per rank, '.' = empty local)",
     ]
+    width = max((len(p.describe()) for f in families for p in (f.stock, f.planned)), default=0)
     for f in families:
         if f.role is not Role.EXPERT:
             continue
         lines.append(f"  {f.pattern}  {list(f.shape)} {f.dtype}  x{f.count}")
-        lines.append(f"    stock    {f.stock.describe():42s} {_rank_map(f.stock_rows, False)}"
+        lines.append(f"    stock    {f.stock.describe():{width}s}  {_rank_map(f.stock_rows, False)}"
                      + (f"  empty on {len(f.stock_empty)} rank(s)" if f.stock_empty else ""))
         choice = "same as stock" if f.planned == f.stock else f"split dim {f.planned.shard_dim} (divides evenly)"
         if f.planned == f.stock and f.stock_empty:
             choice = "no dim divides evenly: explicit empty markers"
-        lines.append(f"    planned  {f.planned.describe():42s} {_rank_map(f.planned_rows, False)}  {choice}")
+        lines.append(f"    planned  {f.planned.describe():{width}s}  {_rank_map(f.planned_rows, False)}  {choice}")
     dense_empty = [f for f in families if f.role is not Role.EXPERT and f.stock_empty]
     if dense_empty:
         lines += ["", "dense tensors with empty locals (loaded with explicit empty markers; FSDP handles these):"]
@@ -95,9 +96,11 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         lines += ["", f"ignored on-disk keys (the model does not use them): {len(ignored)}, e.g. {ignored[0]}"]
     lines += [
         "",
-        f"summary: stock transformers leaves {stats['stock_empty_tensors']} tensor(s) empty on "
-        f"{len(stats['stock_empty_ranks'])} rank(s) {_ranks(stats['stock_empty_ranks'])}; reshard's layout: "
-        f"{stats['planned_empty_tensors']} tensor(s) on {len(stats['planned_empty_ranks'])} rank(s), each marked.",
+        f"summary: stock transformers leaves {stats['stock_empty_tensors']} tensor(s) empty "
+        f"({stats['stock_empty_expert_tensors']} routed-expert) on {len(stats['stock_empty_ranks'])} rank(s) "
+        f"{_ranks(stats['stock_empty_ranks'])}; reshard's layout: {stats['planned_empty_tensors']} "
+        f"({stats['planned_empty_expert_tensors']} routed-expert) on {len(stats['planned_empty_ranks'])} rank(s), "
+        "each an explicit empty marker.",
         f"expert bytes per rank, max/mean: stock {_human_bytes(stats['stock_expert_bytes_max'])} / "
         f"{_human_bytes(stats['stock_expert_bytes_mean'])} = {stats['stock_expert_max_over_mean']:.2f}; planned "
         f"{_human_bytes(stats['planned_expert_bytes_max'])} / {_human_bytes(stats['planned_expert_bytes_mean'])} = "
