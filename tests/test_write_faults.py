@@ -139,8 +139,8 @@ def test_disk_full_at_fsync(tiny, tmp_path, monkeypatch):
 
     def fsync(fd):
         calls.append(fd)
-        if len(calls) == 2:  # the first shard is complete, the second one fails
-            assert len(list(next(iter(tmp_path.glob(".out.reshard-tmp-*"))).iterdir())) == 2
+        if len(calls) == 2:  # every shard is written, the first is on disk, the second one fails
+            assert len(list(next(iter(tmp_path.glob(".out.reshard-tmp-*"))).glob("shard-*"))) == 4
             raise enospc()
         real_fsync(fd)
 
@@ -155,16 +155,15 @@ def test_disk_full_at_fsync(tiny, tmp_path, monkeypatch):
 def test_disk_full_in_the_copy_loop(tiny, tmp_path, monkeypatch):
     src = tiny("mixtral", experts=8)
     out = tmp_path / "out"
-    real_copy, copies = write_module._Copier.copy, []
+    real_copy, copies = write_module._Copier._copy_some, []
 
-    def copy(self, runs, dest, crc):
-        copies.append(len(runs))
+    def copy_some(self, src_fd, out_fd, n, src, dst):
+        copies.append(n)
         if len(copies) == 30:  # well into the second file: some of its bytes are already written
-            dest.write(b"\0" * 100)
             raise enospc()
-        return real_copy(self, runs, dest, crc)
+        return real_copy(self, src_fd, out_fd, n, src, dst)
 
-    monkeypatch.setattr(write_module._Copier, "copy", copy)
+    monkeypatch.setattr(write_module._Copier, "_copy_some", copy_some)
     result = write_cli(src, out, "--fsdp", "5")
     assert result.exit_code == 1
     assert "no space left" in result.output.lower() and "Traceback" not in result.output
