@@ -83,6 +83,8 @@ def expert_param_names(model) -> tuple[set[str], bool]:
 def find_experts(index: CheckpointIndex) -> ModelLayout:
     """Map every on-disk tensor of `index` to the model's state dict, marking the routed experts.
 
+    The result is cached by config, tensor names/dtypes/shapes and versions (`reshard.cache`).
+
     Args:
         index: the checkpoint's metadata (`read_checkpoint`).
 
@@ -100,8 +102,14 @@ def find_experts(index: CheckpointIndex) -> ModelLayout:
         method = index.config["quantization_config"].get("quant_method", "?")
         raise ArchitectureError(f"{index.source}: quantized checkpoints ({method}) are not supported yet: "
                                 "transformers' distributed-checkpoint loader refuses quantization.")
-    model = build_meta_model(index.config)
-    return layout_from_model(model, index)
+    from .cache import load_layout, save_layout
+
+    cached = load_layout(index)
+    if cached is not None:
+        return cached
+    layout = layout_from_model(build_meta_model(index.config), index)
+    save_layout(index, layout)
+    return layout
 
 
 def layout_from_model(model, index: CheckpointIndex) -> ModelLayout:

@@ -92,3 +92,23 @@ class ModelLayout:
 
     def by_name(self) -> dict[str, TargetTensor]:
         return {t.name: t for t in self.tensors}
+
+
+def layout_to_dict(layout: ModelLayout) -> dict:
+    """Plain JSON-able form of a layout (for the layout cache)."""
+    return {
+        "model_type": layout.model_type, "architecture": layout.architecture,
+        "ignored_sources": list(layout.ignored_sources), "expert_parallel": layout.expert_parallel,
+        "tensors": [[t.name, list(t.shape), t.dtype, t.role.value, t.is_param,
+                     [[p.source, list(p.offset), p.stacked_dim] for p in t.pieces]] for t in layout.tensors],
+    }
+
+
+def layout_from_dict(data: dict) -> ModelLayout:
+    """Inverse of `layout_to_dict`."""
+    tensors = tuple(
+        TargetTensor(name, tuple(shape), dtype, Role(role), is_param,
+                     tuple(Piece(source, tuple(offset), stacked) for source, offset, stacked in pieces))
+        for name, shape, dtype, role, is_param, pieces in data["tensors"])
+    return ModelLayout(data["model_type"], data["architecture"], tensors, tuple(data["ignored_sources"]),
+                       data["expert_parallel"])

@@ -16,6 +16,19 @@ HERE = Path(__file__).parent
 RANK_SCRIPTS = HERE / "ranks"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def layout_cache(tmp_path_factory):
+    """Keep the layout cache inside the test session (never the user's home)."""
+    folder = tmp_path_factory.mktemp("layout-cache")
+    previous = os.environ.get("RESHARD_CACHE_DIR")
+    os.environ["RESHARD_CACHE_DIR"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("RESHARD_CACHE_DIR", None)
+    else:
+        os.environ["RESHARD_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """`tiny(model_type, experts=None, fused=False, **overrides) -> Path`, generated once per session."""

@@ -1,0 +1,62 @@
+"""The layout cache: a hit equals a fresh build, and any change to the inputs misses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from reshard import cache
+from reshard.checkpoint import read_checkpoint
+from reshard.experts import build_meta_model, find_experts, layout_from_model
+
+
+def test_cached_layout_equals_a_fresh_build(tiny, monkeypatch, tmp_path):
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path))
+    index = read_checkpoint(tiny("glm4_moe"))
+    fresh = layout_from_model(build_meta_model(index.config), index)
+    assert cache.load_layout(index) is None
+    assert find_experts(index) == fresh  # builds and stores
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert cache.load_layout(index) == fresh
+    assert find_experts(index) == fresh  # from the cache
+
+
+def test_a_changed_config_or_tensor_misses(tiny, monkeypatch, tmp_path):
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path))
+    index = read_checkpoint(tiny("qwen3_moe"))
+    find_experts(index)
+    changed_config = index.__class__(**{**index.__dict__, "config": {**index.config, "rms_norm_eps": 1e-5}})
+    assert cache.layout_key(changed_config) != cache.layout_key(index)
+    name = next(iter(index.tensors))
+    entry = index.tensors[name]
+    changed_tensor = index.__class__(**{**index.__dict__, "tensors": {
+        **index.tensors, name: entry.__class__(**{**entry.__dict__, "dtype": "F16"})}})
+    assert cache.layout_key(changed_tensor) != cache.layout_key(index)
+    assert cache.load_layout(changed_config) is None and cache.load_layout(changed_tensor) is None
+
+
+def test_a_damaged_entry_is_rebuilt_and_an_empty_setting_disables(tiny, monkeypatch, tmp_path):
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path))
+    index = read_checkpoint(tiny("qwen3_moe"))
+    layout = find_experts(index)
+    (tmp_path / f"{cache.layout_key(index)}.json").write_text("{not json")
+    assert cache.load_layout(index) is None and find_experts(index) == layout
+    monkeypatch.setenv("RESHARD_CACHE_DIR", "")
+    assert cache.cache_dir() is None and cache.load_layout(index) is None
+
+
+def test_plan_from_the_cache_imports_no_torch(tiny, tmp_path):
+    src = tiny("mixtral")
+    env_cache = str(tmp_path)
+    code = ("import sys, json; import reshard.cli as c; sys.argv = ['reshard', 'plan', {src!r}, '--fsdp', '5', '--json'];"
+            "\ntry:\n    c.main()\nexcept SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    runs = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", code.format(src=str(src))], capture_output=True, text=True,
+                                timeout=120, env={**__import__("os").environ, "RESHARD_CACHE_DIR": env_cache})
+        runs.append(result.stdout)
+    assert runs[0].strip().endswith("TORCH") and not runs[0].strip().endswith("NO-TORCH")
+    assert runs[1].strip().endswith("NO-TORCH")
+    first, second = (json.loads(r[: r.rindex("}") + 1]) for r in runs)
+    assert first == second
