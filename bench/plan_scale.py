@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="plan-scale-", dir=args.dir))
+    os.environ["RESHARD_CACHE_DIR"] = str(work / "layout-cache")  # empty: the first timed run is a cold one
     try:
         t0 = time.perf_counter()
         big = write_sparse_checkpoint(work / "glm46", GLM46_CONFIG)
@@ -358,9 +359,10 @@ def main(argv: list[str] | None = None) -> None:
             ("fixture apparent size", f"{apparent / 1e9:.1f} GB"),
             ("fixture disk blocks used (du)", f"{used / 1e6:.2f} MB"),
             ("fixture headers + index + config", f"{meta_bytes / 1e6:.2f} MB"),
-            (f"`reshard plan --fsdp {args.fsdp} --ep {args.ep} --json` wall",
-             f"min {walls[0]:.2f} s, median {walls[len(walls) // 2]:.2f} s over {len(walls)} runs"),
-            ("  CPU time (user + sys)", f"min {min(cpus):.2f} s"),
+            (f"`reshard plan --fsdp {args.fsdp} --ep {args.ep} --json` wall, empty layout cache",
+             f"{runs[0]['wall_s']:.2f} s ({cpus[0]:.2f} s CPU)"),
+            ("  same, layout cache warm (a second plan, or write after plan)",
+             ", ".join(f"{r['wall_s']:.2f} s" for r in runs[1:]) or "-"),
             ("  same command on a 2-layer GLM (startup baseline)", f"{base['wall_s']:.2f} s wall, {base_cpu:.2f} s CPU"),
             ("  peak RSS (RUSAGE_CHILDREN)", f"{rss_kib / 1024:.0f} MiB"),
             ("  rchar (all reads, imports included)", f"{sub['io']['rchar'] / 1e6:.1f} MB"),
@@ -387,10 +389,10 @@ def main(argv: list[str] | None = None) -> None:
         print()
         for key, value in rows:
             print(f"{key:<{width}}  {value}")
-        fast = walls[0] < 5.0
+        fast = runs[0]["wall_s"] < 5.0
         # "no tensor bytes": nothing read past any header except buffered read-ahead (< 8 KiB per file), no mmap
         data_free = traced is None or (traced["data_bytes"] < 8192 * big["files"] and traced["mmaps"] == 0)
-        print(f"\ntarget: under 5 s {'MET' if fast else 'MISSED'}; reads no tensor bytes "
+        print(f"\ntarget: under 5 s with an empty layout cache {'MET' if fast else 'MISSED'}; reads no tensor bytes "
               f"{'MET' if data_free else 'MISSED'}" + ("" if traced else " (no strace: judged by rchar only)"))
     finally:
         if args.keep:
