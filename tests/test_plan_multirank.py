@@ -51,8 +51,9 @@ def _reference_state(src) -> dict[str, torch.Tensor]:
 
 CASES = [
     # (model_type, experts, fsdp, ep, timeout)
-    pytest.param("qwen3_moe", None, 4, 1, 150, id="qwen3_moe-2experts-fsdp4"),
-    pytest.param("mixtral", None, 5, 1, 180, id="mixtral-8experts-fsdp5"),
+    # Qwen3-MoE 2 experts at fsdp 4 and Mixtral at fsdp 5 are loaded by stock transformers in
+    # tests/test_write_multirank.py, which checks every local tensor against the plan's boxes bit for bit; this
+    # file keeps the EP case, where placements are strided.
     pytest.param("glm4_moe", None, 8, 2, 240, id="glm4_moe-10experts-fsdp8-ep2"),
 ]
 
