@@ -12,15 +12,21 @@ What it does:
    with random bytes, no model in RAM. `reshard plan SRC --fsdp F --json` must accept it (`find_experts`), and
    the stock layout must leave no rank empty (so stock transformers can load it).
 2. `reshard write SRC OUT --fsdp F -q` (timed once, for information).
-3. Warms the page cache (reads SRC and OUT), then one untimed verification run per loader (BENCH_VERIFY=1: every
-   parameter gathered and hashed on rank 0; stock and reshard must agree bit for bit, nothing left uninitialized).
+3. Warms the page cache (reads SRC and OUT), then one untimed verification run per distinct read path
+   (BENCH_VERIFY=1: every rank hashes each local shard; each loader must give the same placement, offset, shape and
+   SHA-1 as stock on every rank, and leave no parameter uninitialized).
 4. Alternates, `--runs` times (rotating the order): (a) stock
    `AutoModelForCausalLM.from_pretrained(SRC, distributed_config=DistributedConfig(fsdp_size=F))`, (b)
-   `reshard.from_pretrained(OUT)` (CRC pre-check on, the default), (c) the same with `check_checksums=False`;
+   `reshard.from_pretrained(OUT)` (CRC pre-check on, the default), (c) the same with `check_checksums=False`,
+   and prototypes of proposed reshard changes, monkeypatched inside the benchmark's rank script only:
+   (d) `reshard-noconv` = (c) + no weight-conversion mapping on the distributed-checkpoint path, (e)
+   `reshard-direct` = (d) + each rank copies its own files (safetensors slices) into its local shards instead of
+   `dcp.load`, (f) `reshard-readinto` = (d) + each rank reads its own files straight into its local shards' memory
+   (one copy), and, on request (--modes), (g) `reshard-readinto-crc` = (f) + CRC-32 computed while reading;
    each a fresh `torchrun --standalone --nproc-per-node F bench/load_rank.py ...` job.
 5. Reports per rank: bytes of tensor data materialized from safetensors (every slice / get_tensor counted), files
-   that data came from, files opened at all, resident bytes of each file's mmap at close (smaps), /proc/self/io
-   rchar and read_bytes around from_pretrained, own share (bytes of its local tensors), peak RSS; per mode the
+   that data came from, files opened at all (and how many opens), /proc/self/io rchar and read_bytes around
+   from_pretrained, own share (bytes of its local tensors), peak RSS; per mode the
    medians of the slowest rank's `from_pretrained` time and of the whole torchrun job, and where the time goes
    (process start-up, imports, process group, from_pretrained phases, tear-down).
 
@@ -45,7 +51,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = Path(__file__).resolve().parent / "load_rank.py"
 MB = 10**6
-MODES = ("stock", "reshard", "reshard-nocrc")
+MODES = ("stock", "reshard", "reshard-nocrc", "reshard-noconv", "reshard-direct", "reshard-readinto",
+         "reshard-readinto-crc")
+DEFAULT_MODES = ("stock", "reshard", "reshard-nocrc", "reshard-noconv", "reshard-direct", "reshard-readinto")
 
 
 def _bench_write():
@@ -118,7 +126,8 @@ def check_key_names(args, work: Path) -> None:
             saved.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
     ours = dict(on_disk_tensors(config))
     if saved != ours:
-        raise SystemExit(f"generated keys differ from save_pretrained's: only ours {sorted(set(ours) - set(saved))[:5]}, "
+        raise SystemExit(f"generated keys differ from save_pretrained's: only ours "
+                         f"{sorted(set(ours) - set(saved))[:5]}, "
                          f"only saved {sorted(set(saved) - set(ours))[:5]}, shapes "
                          f"{[k for k in ours if k in saved and ours[k] != saved[k]][:5]}")
     shutil.rmtree(folder)
@@ -164,8 +173,11 @@ def check_plan(src: Path, fsdp: int) -> None:
     if result.returncode:
         raise SystemExit(f"reshard plan refused the generated checkpoint:\n{result.stderr}")
     plan = json.loads(result.stdout)
-    text = json.dumps(plan)
-    print(f"  reshard plan --fsdp {fsdp}: ok (find_experts accepted it; {len(text)} bytes of plan JSON)", flush=True)
+    summary = plan["summary"]
+    if not summary["expert_tensors"] or summary["stock_empty_ranks"]:
+        raise SystemExit(f"want routed experts and no empty rank under stock at fsdp {fsdp}: {summary}")
+    print(f"  reshard plan --fsdp {fsdp}: ok ({plan['architecture']}, {summary['expert_tensors']} expert tensors "
+          f"found by find_experts, no empty rank under stock)", flush=True)
     return plan
 
 
@@ -194,7 +206,7 @@ def rank_row(r: dict) -> dict:
     data_files = [f for f, n in reads["data"].items() if n]
     return {"rank": r["rank"], "bytes": sum(reads["data"].values()), "share": r["share"],
             "data_files": len(data_files), "opened": len(reads["opens"]), "opens": sum(reads["opens"].values()),
-            "mapped": sum(reads["mapped"].values()), "rchar": r["io"].get("rchar", 0),
+            "rchar": r["io"].get("rchar", 0),
             "read_bytes": r["io"].get("read_bytes", 0), "rss_mib": r["maxrss_kib"] / 1024, "load_s": r["load_s"]}
 
 
@@ -217,7 +229,8 @@ def stages(job: dict) -> dict[str, float]:
         "import transformers (+reshard), config": t["imports"] - t["process_group"],
         "wait at barrier (slowest importer sets it)": t["load_start"] - t["imports"],
         "from_pretrained": t["load_end"] - t["load_start"],
-        "after load -> job exit (report, teardown)": job["start"] + job["wall"] - t["load_end"],
+        "after load -> report written (share, verify)": t["report"] - t["load_end"],
+        "report -> torchrun exit (pg destroy, exit, agent)": job["start"] + job["wall"] - t["report"],
     }
 
 
@@ -249,12 +262,13 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=1024, help="expert intermediate size")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-mb", type=int, default=150, help="source file size (MB)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {','.join(MODES)}")
     parser.add_argument("--no-verify", action="store_true", help="skip the bit-exactness run")
     parser.add_argument("--profile", action="store_true", help="one cProfile'd rank per loader, phase timelines")
     parser.add_argument("--profile-rank", type=int, default=0)
     parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: a temp folder)")
-    parser.add_argument("--src", type=Path, default=None, help="reuse an already generated SRC (and OUT next to it)")
+    parser.add_argument("--src", type=Path, default=None,
+                        help="reuse a SRC a --keep'd run generated (and its out-fsdpF next to it)")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -267,7 +281,7 @@ def main() -> None:
         if args.src:
             src = args.src
             total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-            out = src.parent / f"{src.name}-fsdp{args.fsdp}"
+            out = src.parent / f"out-fsdp{args.fsdp}"  # as a --keep'd run left it (written if missing)
         else:
             check_key_names(args, work)
             src, out = work / "src", work / f"out-fsdp{args.fsdp}"
@@ -287,27 +301,32 @@ def main() -> None:
         placements = {i["placement"]["kind"] + f" Shard({i['placement']['shard_dim']})"
                       for i in manifest["tensors"].values()}
         print(f"  OUT: {len(manifest['files'])} files, placements {sorted(placements)}", flush=True)
-        folder = {"stock": src, "reshard": out, "reshard-nocrc": out}
+        folder = {m: (src if m == "stock" else out) for m in MODES}
         bw.warm(src)
         bw.warm(out)
 
+        verify_jobs: dict[str, dict] = {}
         if not args.no_verify:
             hashes = {}
-            for mode in dict.fromkeys(m if m == "stock" else "reshard" for m in modes):
+            same_reads = {"reshard-nocrc": "reshard", "reshard-noconv": "reshard",  # one run per distinct read path
+                          "reshard-readinto-crc": "reshard-readinto"}
+            for mode in dict.fromkeys(same_reads.get(m, m) for m in modes):
                 job = run_job(mode, folder[mode], args.fsdp, work, extra_env={"BENCH_VERIFY": "1"})
-                hashes[mode] = job["ranks"][0]["sha1"]
+                verify_jobs[mode] = job
+                hashes[mode] = {(r["rank"], name): h for r in job["ranks"] for name, h in r["sha1"].items()}
                 bad = [n for r in job["ranks"] for n in r["uninitialized"]]
-                print(f"verify {mode}: {len(hashes[mode])} tensors hashed, {len(bad)} uninitialized params, "
+                print(f"verify {mode}: {len(hashes[mode])} local shards hashed, {len(bad)} uninitialized params, "
                       f"job {job['wall']:.1f} s", flush=True)
                 if bad:
                     raise SystemExit(f"{mode}: uninitialized parameters {bad[:5]}")
-            if len(hashes) == 2:
-                a, b = hashes.values()
+            for mode in [m for m in hashes if m != "stock"] if "stock" in hashes else []:
+                a, b = hashes["stock"], hashes[mode]
                 diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-                print(f"verify: stock and reshard loads {'bit-identical' if not diff else 'DIFFER on ' + str(diff[:5])} "
-                      f"({len(a)} tensors)", flush=True)
+                print(f"verify: stock and {mode} loads {'bit-identical' if not diff else 'DIFFER on ' + str(diff[:5])} "
+                      f"(every rank's local shard of {len(a) // args.fsdp} tensors: same placement, offset, shape and "
+                      f"SHA-1)", flush=True)
                 if diff:
-                    raise SystemExit("stock and reshard loads differ")
+                    raise SystemExit(f"stock and {mode} loads differ")
 
         jobs: dict[str, list] = {m: [] for m in modes}
         for i in range(args.runs):
@@ -315,43 +334,51 @@ def main() -> None:
             for mode in order:
                 job = run_job(mode, folder[mode], args.fsdp, work)
                 jobs[mode].append(job)
-                print(f"run {i + 1} {mode:14s} from_pretrained slowest rank {job['load_max']:.2f} s, "
+                print(f"run {i + 1} {mode:20s} from_pretrained slowest rank {job['load_max']:.2f} s, "
                       f"job {job['wall']:.2f} s  (load avg {job['loadavg'][0]:.2f} -> {job['loadavg'][1]:.2f})",
                       flush=True)
 
         print(f"\nresults: {total / MB:.0f} MB Mixtral-shaped checkpoint ({args.experts} experts), fsdp {args.fsdp} "
               f"({args.fsdp} gloo ranks), warm page cache, {args.runs} runs per loader, medians")
-        print(f"{'loader':14s} {'from_pretrained slowest (s)':>28s} {'torchrun job (s)':>17s}   runs (slowest rank)")
+        print(f"{'loader':20s} {'from_pretrained slowest (s)':>28s} {'CPU s (max rank)':>17s} {'torchrun job (s)':>17s}"
+              f"   runs (slowest rank)")
         for mode in modes:
             loads = [j["load_max"] for j in jobs[mode]]
+            cpus = [max(r["load_cpu_s"] for r in j["ranks"]) for j in jobs[mode]]
             walls = [j["wall"] for j in jobs[mode]]
-            print(f"{mode:14s} {median(loads):28.2f} {median(walls):17.2f}   {', '.join(f'{x:.2f}' for x in loads)}")
+            print(f"{mode:20s} {median(loads):28.2f} {median(cpus):17.2f} {median(walls):17.2f}   "
+                  f"{', '.join(f'{x:.2f}' for x in loads)}")
         if "stock" in modes:
             s = median([j["load_max"] for j in jobs["stock"]])
             sw = median([j["wall"] for j in jobs["stock"]])
+            sc = median([max(r["load_cpu_s"] for r in j["ranks"]) for j in jobs["stock"]])
             for mode in modes:
                 if mode != "stock":
                     m = median([j["load_max"] for j in jobs[mode]])
+                    mc = median([max(r["load_cpu_s"] for r in j["ranks"]) for j in jobs[mode]])
                     mw = median([j["wall"] for j in jobs[mode]])
-                    print(f"  {mode} / stock: from_pretrained {m / s:.2f}x (target <= 0.5x), job {mw / sw:.2f}x")
+                    print(f"  {mode} / stock: from_pretrained {m / s:.2f}x (target <= 0.5x), CPU {mc / sc:.2f}x, "
+                          f"job {mw / sw:.2f}x")
 
-        print("\nper rank (last run of each loader; bytes in MB = 10^6):")
-        print(f"{'loader':14s} {'rank':>4s} {'tensor data read':>16s} {'own share':>10s} {'read/share':>10s} "
-              f"{'data files':>10s} {'files opened':>12s} {'mmap resident':>13s} {'rchar':>8s} {'read_bytes':>10s} "
+        print("\nper rank (last timed run of each loader; bytes in MB = 10^6; 'tensor data read' = bytes of every "
+              "slice / get_tensor taken from safetensors (readinto: bytes read into local shards); rchar/read_bytes = "
+              "/proc/self/io deltas over from_pretrained):")
+        print(f"{'loader':20s} {'rank':>4s} {'tensor data read':>16s} {'own share':>10s} {'read/share':>10s} "
+              f"{'data files':>10s} {'files opened':>12s} {'rchar':>8s} {'read_bytes':>10s} "
               f"{'peak RSS MiB':>12s} {'load s':>7s}")
         for mode in modes:
             for r in sorted(jobs[mode][-1]["ranks"], key=lambda x: x["rank"]):
                 row = rank_row(r)
-                print(f"{mode:14s} {row['rank']:4d} {row['bytes'] / MB:16.1f} {row['share'] / MB:10.1f} "
+                print(f"{mode:20s} {row['rank']:4d} {row['bytes'] / MB:16.1f} {row['share'] / MB:10.1f} "
                       f"{row['bytes'] / row['share']:10.3f} {row['data_files']:10d} "
-                      f"{row['opened']:5d} ({row['opens']:3d}x) {row['mapped'] / MB:13.1f} {row['rchar'] / MB:8.1f} "
+                      f"{row['opened']:5d} ({row['opens']:3d}x) {row['rchar'] / MB:8.1f} "
                       f"{row['read_bytes'] / MB:10.1f} {row['rss_mib']:12.0f} {row['load_s']:7.2f}")
 
         print("\nwhere the time goes (slowest rank of each job; medians over runs, seconds):")
         labels = list(stages(jobs[modes[0]][0]))
-        print(f"{'stage':48s} " + " ".join(f"{m:>14s}" for m in modes))
+        print(f"{'stage':48s} " + " ".join(f"{m:>21s}" for m in modes))
         for label in labels:
-            print(f"{label:48s} " + " ".join(f"{median([stages(j)[label] for j in jobs[m]]):14.2f}" for m in modes))
+            print(f"{label:48s} " + " ".join(f"{median([stages(j)[label] for j in jobs[m]]):21.2f}" for m in modes))
         print(f"\nfrom_pretrained phases (max over ranks, medians over runs, seconds; nested phases are included in "
               f"their parents):")
         first: dict[str, float] = {}
@@ -362,12 +389,12 @@ def main() -> None:
                     for label, begin, _end, d in r["phases"]:
                         first[label] = min(first.get(label, 1e18), begin - r["times"]["load_start"])
                         depth.setdefault(label, d)
-        print(f"{'phase':60s} " + " ".join(f"{m:>14s}" for m in modes))
+        print(f"{'phase':60s} " + " ".join(f"{m:>21s}" for m in modes))
         for label in sorted(first, key=first.get):
             cells = []
             for m in modes:
                 vals = [max(phase_durations(r).get(label, 0.0) for r in j["ranks"]) for j in jobs[m]]
-                cells.append(f"{median(vals):14.3f}" if any(vals) else f"{'-':>14s}")
+                cells.append(f"{median(vals):21.3f}" if any(vals) else f"{'-':>21s}")
             print(f"{'  ' * depth.get(label, 0) + label:60s} " + " ".join(cells))
 
         if args.profile:

@@ -1,28 +1,42 @@
 """One rank of `bench/load.py`: load a checkpoint with stock transformers or with reshard, report what it read.
 
 usage (under torchrun): load_rank.py MODE FOLDER FSDP REPORT_DIR
-    MODE: `stock` (`AutoModelForCausalLM.from_pretrained(FOLDER, distributed_config=DistributedConfig(fsdp_size=FSDP))`),
-          `reshard` (`reshard.from_pretrained(FOLDER)`) or `reshard-nocrc` (the same, `check_checksums=False`).
+    MODE: `stock`          `AutoModelForCausalLM.from_pretrained(FOLDER,
+                                                             distributed_config=DistributedConfig(fsdp_size=FSDP))`
+          `reshard`        `reshard.from_pretrained(FOLDER)` (CRC pre-check on, the default)
+          `reshard-nocrc`  the same with `check_checksums=False`
+          prototypes of proposed changes to reshard (monkeypatched here, in the benchmark only; see PROTOTYPES):
+          `reshard-noconv` reshard-nocrc + skip transformers' `get_model_conversion_mapping` on the DCP path
+          `reshard-direct` reshard-noconv + replace `dcp.load` by a direct copy from this rank's own files
+          `reshard-readinto` reshard-noconv + read this rank's own files straight into the local shards' memory
+          `reshard-readinto-crc` the same, CRC-32 computed over the bytes as they are read (checked after)
 
 Environment switches:
-    BENCH_VERIFY=1      after the timed load, gather every parameter (`full_tensor`) and have rank 0 write a SHA-1
-                        per tensor to the report (placement-independent, so stock and reshard loads can be compared).
+    BENCH_VERIFY=1      after the timed load, write a SHA-1 of every local shard (with its placement, shape and
+                        global offset) to the report, to compare loaders rank by rank.
     BENCH_PROFILE=R     rank R runs `from_pretrained` under cProfile and dumps the stats to REPORT_DIR/profile.pstats.
 
 Each rank writes REPORT_DIR/rank{r}.json with:
 - `times`: epoch seconds of process start (from /proc), script start, after `import torch`, after
   `init_process_group`, after the transformers (and reshard) imports, and around `from_pretrained` (all ranks leave
   a barrier just before it, so `from_pretrained` seconds are comparable across ranks);
-- `phases`: [label, start, end, depth] intervals of the main internal steps (wrapped functions, see PHASES);
-- `reads`: what this rank materialized through safetensors: every `safe_open` is proxied, every slice
-  `__getitem__` / `get_tensor` result counted (bytes of the returned tensor, per file and per phase), and at each
-  file's close the resident size of its memory mapping in this process is read from /proc/self/smaps
-  (pages actually touched, rounded to pages, plus the kernel's fault-around);
+- `phases`: [label, start, end, depth] intervals of the main internal steps (functions wrapped by `install_phases`,
+  main thread only);
+- `reads`: what this rank materialized through safetensors: every `safe_open` is proxied (files opened, per
+  phase), every slice `__getitem__` / `get_tensor` result counted (bytes of the returned tensor, per file and per
+  phase). Stock and the DCP path read tensor data through safetensors' whole-file mmap (no read() syscalls), so
+  this is the measure of tensor bytes read; it does not see kernel readahead / fault-around. The readinto
+  prototypes bypass safetensors and count what they read themselves. (The resident size of each file's mapping
+  in /proc/self/smaps was tried and dropped: after copying 143 MB out of a safe_open'd file, its mapping showed
+  5.5 MB resident.)
 - `io`: /proc/self/io before and after `from_pretrained` (rchar = bytes through read()/pread() syscalls: the CRC
   pre-check and header reads show there, mmap reads do not; read_bytes = bytes fetched from the block device:
   0 on a warm page cache);
+- `load_cpu_s`: CPU seconds (all threads) this process spent in `from_pretrained` (less sensitive than wall time to
+  other jobs on the machine; excludes time blocked in collectives);
 - `share`: bytes of this rank's local tensors after the load (its own share), `maxrss_kib`
-  (`getrusage(RUSAGE_SELF).ru_maxrss`, which includes file pages mapped by mmap while they were mapped).
+  (`getrusage(RUSAGE_SELF).ru_maxrss`, i.e. VmHWM: it counts file pages touched through mmap while mapped, so the
+  mmap-based loaders peak about one share higher than the readinto prototype).
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -38,13 +53,15 @@ T_SCRIPT = time.time()
 
 
 def _process_start() -> float:
-    """Epoch seconds at which this process started (from /proc/self/stat and /proc/stat's btime)."""
+    """Epoch seconds at which this process started: its age (/proc/uptime minus the start tick in /proc/self/stat,
+    10 ms resolution) subtracted from now. (/proc/stat's btime is whole seconds: too coarse.)"""
+    now = time.time()
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     start_ticks = int(fields[19])  # field 22 overall; fields[0] is field 3
-    with open("/proc/stat") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    return now - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _proc_io() -> dict:
@@ -54,19 +71,6 @@ def _proc_io() -> dict:
             key, value = line.split(":")
             out[key.strip()] = int(value)
     return out
-
-
-def _mapped_rss(path: str) -> int:
-    """Resident bytes of this process's mappings of `path` (sum of smaps `Rss:` of every mapping of that file)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            first = line.split(None, 1)[0]
-            if "-" in first and not first.endswith(":"):  # a mapping header line
-                inside = line.rstrip("\n").endswith(path)
-            elif inside and first == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 # ---- phases --------------------------------------------------------------------------------------------------
@@ -119,7 +123,11 @@ def install_phases(mode: str, model_cls) -> None:
         return next(c for c in mu.PreTrainedModel.__mro__ if name in c.__dict__)
 
     targets = [
+        (mu, "_get_resolved_checkpoint_files", "resolve checkpoint files"),
+        (mu, "_get_resolved_distributed_checkpoint_files", "resolve checkpoint files (distributed)"),
+        (mu, "_get_dtype", "_get_dtype"),
         (model_cls, "__init__", "model __init__ on meta"),
+        (mu, "get_model_conversion_mapping", "get_model_conversion_mapping"),
         (definer("maybe_distribute_model"), "maybe_distribute_model", "distribute (EP/FSDP plans)"),
         (mixin, "apply_fully_sharded_data_parallelism", "fully_shard"),
         (mu.PreTrainedModel, "_load_pretrained_model", "stock: read+convert+shard (_load_pretrained_model)"),
@@ -127,7 +135,8 @@ def install_phases(mode: str, model_cls) -> None:
         (mu.PreTrainedModel, "_finalize_model_loading", "finalize (_finalize_model_loading)"),
         (mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device", "materialize meta -> cpu"),
         (mu.PreTrainedModel, "_initialize_missing_keys", "initialize missing keys"),
-        (definer("_load_and_finalize_distributed_pretrained_model"), "_load_and_finalize_distributed_pretrained_model", "DCP path: load + finalize"),
+        (definer("_load_and_finalize_distributed_pretrained_model"), "_load_and_finalize_distributed_pretrained_model",
+         "DCP path: load + finalize"),
         (mixin, "_load_model_checkpoint_distributed", "DCP: _load_model_checkpoint_distributed"),
         (dcp, "load", "DCP: dcp.load"),
         (HuggingFaceStorageReader, "read_metadata", "DCP: read_metadata (every file's header)"),
@@ -136,6 +145,9 @@ def install_phases(mode: str, model_cls) -> None:
         (dcp_sd, "set_model_state_dict", "DCP: set_model_state_dict"),
         (tdc, "_redistribute_state_dict", "DCP: _redistribute_state_dict"),
         (mu.PreTrainedModel, "initialize_weights", "initialize_weights"),
+        (mu, "_get_device_map", "_get_device_map"),
+        (next(c for c in model_cls.__mro__ if "adjust_generation_fn" in c.__dict__), "adjust_generation_fn",
+         "adjust_generation_fn (generation config)"),
     ]
     if mode != "stock":
         import reshard.loader as rl
@@ -161,7 +173,6 @@ class ReadCounter:
         self.data: dict[str, int] = {}             # file -> bytes of tensors materialized from it
         self.data_by_phase: dict[str, int] = {}
         self.slices = 0
-        self.mapped: dict[str, int] = {}           # file -> max resident bytes of its mapping seen at a close
 
     def opened(self, name):
         with self.lock:
@@ -175,11 +186,6 @@ class ReadCounter:
             self.slices += 1
             self.data[name] = self.data.get(name, 0) + n
             self.data_by_phase[phase] = self.data_by_phase.get(phase, 0) + n
-
-    def closing(self, path, name):
-        rss = _mapped_rss(path)
-        with self.lock:
-            self.mapped[name] = max(self.mapped.get(name, 0), rss)
 
 
 class _Slice:
@@ -197,10 +203,9 @@ class _Slice:
 
 class _File:
     def __init__(self, inner, path, counter):
-        self._inner, self._path, self._counter = inner, os.path.realpath(path), counter
+        self._inner, self._counter = inner, counter
         self._name = os.path.basename(path)
         self._open_phase = _current_phase()  # worker threads see no stack: attribute their reads to the opener
-        self._closed = False
         counter.opened(self._name)
 
     def _phase(self):
@@ -211,9 +216,6 @@ class _File:
         return self
 
     def __exit__(self, *exc):
-        if not self._closed:
-            self._closed = True
-            self._counter.closing(self._path, self._name)
         return self._inner.__exit__(*exc)
 
     def get_slice(self, key):
@@ -241,6 +243,174 @@ def install_read_counter() -> ReadCounter:
     safetensors.safe_open = safe_open  # torch's HuggingFaceStorageReader imports it from the module at each call
     mu.safe_open = safe_open           # transformers imported the name at import time
     return counter
+
+
+# ---- prototypes of proposed reshard changes (benchmark only) -------------------------------------------------
+
+PROTOTYPES = {
+    "reshard-noconv": ("noconv",),
+    "reshard-direct": ("noconv", "direct"),
+    "reshard-readinto": ("noconv", "readinto"),
+    "reshard-readinto-crc": ("noconv", "readinto", "crc"),
+}
+_counter = None  # the ReadCounter, for the readinto prototype (which bypasses safetensors)
+
+
+def _local_targets(model) -> dict:
+    """name -> (local tensor, local shape, global offset) for every entry of the model's state dict."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    targets = {}
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+            targets[name] = (tensor._local_tensor, list(shape), list(offset))
+        else:
+            targets[name] = (tensor, list(tensor.shape), [0] * tensor.dim())
+    return targets
+
+
+def _readinto_load(model, checkpoint_dir, *, crc: bool) -> bool:
+    """Read each tensor of this rank's own files straight into its local shard's memory (one copy, no mmap);
+    with `crc`, CRC-32 every byte as it passes and compare with the manifest. False: not applicable here."""
+    import zlib
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from reshard.checkpoint import read_header
+    from reshard.errors import LoadError
+    from reshard.manifest import DCP_SHARDING_INFO_KEY, read_manifest
+
+    manifest = read_manifest(checkpoint_dir)
+    crcs = {f["name"]: f["crc32"] for f in manifest.files}
+    targets = _local_targets(model)
+    jobs, seen = [], set()
+    for file in manifest.files_of_rank(dist.get_rank()):
+        path = Path(checkpoint_dir) / file
+        header = read_header(path)
+        info = json.loads(header.metadata.get(DCP_SHARDING_INFO_KEY, "{}"))
+        for entry in header.tensors:
+            local, shape, offset = targets[entry.name]
+            if (list(entry.shape) != shape or info.get(entry.name, {}).get("saved_offsets") != offset
+                    or entry.itemsize != local.element_size() or not local.is_contiguous()):
+                return False
+            seen.add(entry.name)
+        jobs.append((path, header))
+    if set(targets) - seen:
+        return False
+    for path, header in jobs:
+        _counter.opened(path.name)
+        value, pos = 0, 0
+        with open(path, "rb", buffering=0) as fh:
+            for entry in header.tensors:
+                local = targets[entry.name][0]
+                if crc and entry.data_start > pos:  # the header (and any padding) before this tensor
+                    fh.seek(pos)
+                    value = zlib.crc32(fh.read(entry.data_start - pos), value)
+                if not entry.nbytes:
+                    continue
+                buf = memoryview(local.view(torch.uint8).reshape(-1).numpy())
+                fh.seek(entry.data_start)
+                done = 0
+                while done < entry.nbytes:
+                    n = fh.readinto(buf[done:])
+                    if not n:
+                        raise LoadError(f"{path.name}: truncated at {entry.name}")
+                    done += n
+                if crc:
+                    value = zlib.crc32(buf, value)
+                pos = entry.data_start + entry.nbytes
+                _counter.got(path.name, local, _current_phase())
+            if crc:
+                fh.seek(pos)
+                while block := fh.read(16 << 20):
+                    value = zlib.crc32(block, value)
+        if crc and f"{value:08x}" != crcs[path.name]:
+            raise LoadError(f"{path.name} is corrupt (CRC-32 {value:08x}, the manifest says {crcs[path.name]})")
+    return True
+
+
+def install_prototypes(mode: str, folder: str) -> None:
+    """What a leaner `reshard.from_pretrained` could do, measured without touching reshard/.
+
+    noconv: `from_pretrained` builds the weight-conversion mapping (`get_model_conversion_mapping`, which on first use
+        builds transformers' mapping for every model type: ~1000 WeightConverter/WeightRenaming objects, ~900 regex
+        compiles) even on the distributed-checkpoint path, where it is never used (the list goes only into
+        `LoadStateDictConfig.weight_mapping`, read by `_load_pretrained_model`). Return [] while a reshard folder
+        loads through that path.
+    direct: replace `_load_model_checkpoint_distributed` (get_model_state_dict, `dcp.load` with
+        HuggingFaceStorageReader: every file's header, plan gather/scatter collectives, then set_model_state_dict) by
+        copying each tensor of this rank's own files (manifest `files_of_rank`) into its local shard, after checking
+        the file's saved offsets and shape equal the local shard's global offset and shape (else: the original).
+        Still two copies: safetensors slice (out of the mmap) into a new tensor, then into the local shard.
+    readinto: the same checks, then `readinto` from the file straight into each local shard's memory (one copy).
+    crc: with readinto, CRC-32 of the whole file computed over the bytes as they are read, compared with the
+        manifest after the read: the CRC pre-check without a second pass over the file.
+    """
+    import torch
+    import transformers.distributed.mixin as mixin
+    import transformers.modeling_utils as mu
+
+    wanted = PROTOTYPES.get(mode, ())
+    if "noconv" in wanted:
+        import transformers.distributed.checkpoint as tdc
+
+        original_mapping = mu.get_model_conversion_mapping
+        dist_checkpoint = tdc.is_sharded_checkpoint(folder)
+
+        def get_model_conversion_mapping(model, *args, **kwargs):
+            from reshard.patch import _active_manifest
+
+            if _active_manifest.get() is not None and dist_checkpoint:
+                return []
+            return original_mapping(model, *args, **kwargs)
+
+        mu.get_model_conversion_mapping = get_model_conversion_mapping
+    if "readinto" in wanted:
+        original_readinto = mixin._load_model_checkpoint_distributed
+
+        def _load_model_checkpoint_distributed(model, checkpoint_dir, strict=True):  # noqa: F811
+            with torch.no_grad():
+                if not _readinto_load(model, checkpoint_dir, crc="crc" in wanted):
+                    return original_readinto(model, checkpoint_dir, strict)
+
+        mixin._load_model_checkpoint_distributed = _load_model_checkpoint_distributed
+    if "direct" in wanted:
+        original_load = mixin._load_model_checkpoint_distributed
+
+        def _load_model_checkpoint_distributed(model, checkpoint_dir, strict=True):
+            import safetensors
+            import torch.distributed as dist
+
+            from reshard.manifest import DCP_SHARDING_INFO_KEY, read_manifest
+
+            manifest = read_manifest(checkpoint_dir)
+            targets = _local_targets(model)
+            plan, seen = [], set()
+            for file in manifest.files_of_rank(dist.get_rank()):
+                f = safetensors.safe_open(os.path.join(checkpoint_dir, file), "pt")
+                info = json.loads((f.metadata() or {}).get(DCP_SHARDING_INFO_KEY, "{}"))
+                for key in f.keys():
+                    local, shape, offset = targets[key]
+                    s = f.get_slice(key)
+                    if list(s.get_shape()) != shape or info.get(key, {}).get("saved_offsets") != offset:
+                        return original_load(model, checkpoint_dir, strict)
+                    plan.append((local, s))
+                    seen.add(key)
+                plan.append((None, f))
+            if set(targets) - seen:  # e.g. a persistent buffer kept in another coordinate's file
+                return original_load(model, checkpoint_dir, strict)
+            with torch.no_grad():
+                for local, s in plan:
+                    if local is None:
+                        s.__exit__(None, None, None)
+                    elif local.numel():
+                        local.copy_(s[...])
+
+        mixin._load_model_checkpoint_distributed = _load_model_checkpoint_distributed
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
@@ -274,7 +444,9 @@ def main() -> None:
     model_cls = getattr(transformers, config.architectures[0])
     times["imports"] = time.time()
 
-    counter = install_read_counter()
+    global _counter
+    counter = _counter = install_read_counter()
+    install_prototypes(mode, folder)
     install_phases(mode, model_cls)
     profile_rank = os.environ.get("BENCH_PROFILE")
     profiler = None
@@ -286,27 +458,29 @@ def main() -> None:
     dist.barrier()
     io_before = _proc_io()
     times["load_start"] = time.time()
+    cpu_start = time.process_time()
     if profiler:
         profiler.enable()
     if mode == "stock":
         model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=fsdp))
     else:
-        model = reshard.from_pretrained(folder, check_checksums=(mode == "reshard"))
+        model = reshard.from_pretrained(folder, check_checksums=(mode == "reshard"))  # prototypes: no CRC
     if profiler:
         profiler.disable()
     times["load_end"] = time.time()
+    cpu_s = time.process_time() - cpu_start
     io_after = _proc_io()
     dist.barrier()
     times["all_loaded"] = time.time()
-    maxrss = __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_maxrss
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     share = sum(_local(t).numel() * _local(t).element_size() for t in model.state_dict().values())
     report = {
         "rank": rank, "mode": mode, "times": times,
-        "load_s": times["load_end"] - times["load_start"],
+        "load_s": times["load_end"] - times["load_start"], "load_cpu_s": cpu_s,
         "phases": _phases,
         "reads": {"opens": counter.opens, "opens_by_phase": counter.opens_by_phase, "data": counter.data,
-                  "data_by_phase": counter.data_by_phase, "slices": counter.slices, "mapped": counter.mapped},
+                  "data_by_phase": counter.data_by_phase, "slices": counter.slices},
         "io": {k: io_after[k] - io_before[k] for k in io_after},
         "share": share, "maxrss_kib": maxrss,
         "local_shapes": {n: list(_local(t).shape) for n, t in model.state_dict().items() if ".experts." in n},
@@ -314,17 +488,30 @@ def main() -> None:
     if profiler:
         profiler.dump_stats(os.path.join(report_dir, "profile.pstats"))
     if os.environ.get("BENCH_VERIFY") == "1":
+        # Per rank, no collectives: SHA-1 of every local shard with its placement, local shape and global offset.
+        # Comparable between loaders that place tensors alike (the driver checks that they do). (A first version
+        # gathered every tensor with full_tensor() and hashed on rank 0; at 1.6 GB a rank intermittently died with
+        # "terminate called without an active exception" (SIGABRT), so it was replaced.)
         import hashlib
+
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         hashes = {}
         for name, tensor in model.state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if rank == 0:
-                hashes[name] = hashlib.sha1(full.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            local = _local(tensor)
+            where = [str(tensor.placements), list(local.shape), list(compute_local_shape_and_global_offset(
+                tensor.shape, tensor.device_mesh, tensor.placements)[1])] if isinstance(tensor, DTensor) else \
+                ["plain", list(local.shape), [0] * local.dim()]
+            digest = hashlib.sha1(local.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            hashes[name] = [digest, *where]
         report["sha1"] = hashes
-        report["uninitialized"] = [n for n, p in model.named_parameters() if not getattr(p, "_is_hf_initialized", False)]
+        report["uninitialized"] = [n for n, p in model.named_parameters()
+                                   if not getattr(p, "_is_hf_initialized", False)]
+    times["report"] = time.time()
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective (seen: SIGABRT at 1.6 GB)
     dist.destroy_process_group()
 
 

@@ -37,10 +37,11 @@ def _check_own_files(manifest: Manifest, rank: int, *, checksums: bool) -> str |
         except ReshardError as e:
             return str(e)
         if checksums:
-            crc = 0
-            with open(path, "rb") as f:
-                while block := f.read(16 << 20):
-                    crc = zlib.crc32(block, crc)
+            crc, buffer = 0, bytearray(1 << 20)  # one reused buffer: fresh 16 MiB blocks cost page faults
+            view = memoryview(buffer)
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(buffer):
+                    crc = zlib.crc32(view[:n], crc)
             if f"{crc:08x}" != entry["crc32"]:
                 return f"{name} is corrupt (CRC-32 {crc:08x}, the manifest says {entry['crc32']})"
     return None
