@@ -25,6 +25,8 @@ SUPPORTED_TRANSFORMERS = "5.23."
 
 # The manifest of the reshard folder being loaded, set around `from_pretrained`.
 _active_manifest: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reshard_manifest", default=None)
+# Tensor name -> the dim FSDP splits, for the tensors the manifest splits on a dim other than 0.
+_split_dims: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("reshard_dims", default=None)
 # Parameter object id -> qualified name, for the model whose FSDP plan is being applied.
 _param_names: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("reshard_params", default=None)
 
@@ -102,9 +104,14 @@ class _Unpatch:
 @contextmanager
 def active_manifest(manifest: dict | None):
     token = _active_manifest.set(manifest)
+    dims = None if manifest is None else {name: info["placement"]["shard_dim"]
+                                          for name, info in manifest["tensors"].items()
+                                          if info["placement"]["shard_dim"] not in (None, 0)}
+    dims_token = _split_dims.set(dims)
     try:
         yield
     finally:
+        _split_dims.reset(dims_token)
         _active_manifest.reset(token)
 
 
@@ -125,12 +132,9 @@ def _wrap_apply_fsdp(original):
 def _wrap_fully_shard(original):
     @functools.wraps(original)
     def fully_shard(module, *args, **kwargs):
-        manifest, names = _active_manifest.get(), _param_names.get()
-        if manifest is not None and names is not None and "shard_placement_fn" not in kwargs:
-            dims = {name: info["placement"]["shard_dim"] for name, info in manifest["tensors"].items()
-                    if info["placement"]["kind"] == "expert" or info["role"] == "expert"}
-            if any(d not in (None, 0) for d in dims.values()):
-                kwargs["shard_placement_fn"] = functools.partial(_placement_for, names=names, dims=dims)
+        dims, names = _split_dims.get(), _param_names.get()
+        if dims and names is not None and "shard_placement_fn" not in kwargs:
+            kwargs["shard_placement_fn"] = functools.partial(_placement_for, names=names, dims=dims)
         return original(module, *args, **kwargs)
 
     return fully_shard
@@ -140,7 +144,7 @@ def _placement_for(param, *, names, dims):
     from torch.distributed.tensor import Shard
 
     dim = dims.get(names.get(id(param)))
-    return Shard(dim) if dim not in (None, 0) else None
+    return Shard(dim) if dim is not None else None
 
 
 # ---- 2. empty locals on the normal path -----------------------------------------------------------------------
