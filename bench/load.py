@@ -17,15 +17,12 @@ What it does:
    SHA-1 as stock on every rank, and leave no parameter uninitialized).
 4. Alternates, `--runs` times (rotating the order): (a) stock
    `AutoModelForCausalLM.from_pretrained(SRC, distributed_config=DistributedConfig(fsdp_size=F))`, (b)
-   `reshard.from_pretrained(OUT)` (CRC pre-check on, the default), (c) the same with `check_checksums=False`,
-   and prototypes of proposed reshard changes, monkeypatched inside the benchmark's rank script only:
-   (d) `reshard-noconv` = (c) + no weight-conversion mapping on the distributed-checkpoint path, (e)
-   `reshard-direct` = (d) + each rank copies its own files (safetensors slices) into its local shards instead of
-   `dcp.load`, (f) `reshard-readinto` = (d) + each rank reads its own files straight into its local shards' memory
-   (one copy), and, on request (--modes), (g) `reshard-readinto-crc` = (f) + CRC-32 computed while reading;
+   `reshard.from_pretrained(OUT)` (own-file reads with the CRC-32 computed as bytes pass, the default), (c) the
+   same with `check_checksums=False`, (d) `reshard-dcp`: reshard made to take transformers' `dcp.load` path (its
+   fallback, and what it did before own-file reads: a CRC pass over the rank's files, then `dcp.load`);
    each a fresh `torchrun --standalone --nproc-per-node F bench/load_rank.py ...` job.
-5. Reports per rank: bytes of tensor data materialized from safetensors (every slice / get_tensor counted), files
-   that data came from, files opened at all (and how many opens), /proc/self/io rchar and read_bytes around
+5. Reports per rank: bytes of tensor data read (stock and dcp.load: every safetensors slice / get_tensor counted;
+   reshard's own-file reads: every tensor read into a local shard), files that data came from, files opened at all (and how many opens), /proc/self/io rchar and read_bytes around
    from_pretrained, own share (bytes of its local tensors), peak RSS; per mode the
    medians of the slowest rank's `from_pretrained` time and of the whole torchrun job, and where the time goes
    (process start-up, imports, process group, from_pretrained phases, tear-down).
@@ -51,9 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = Path(__file__).resolve().parent / "load_rank.py"
 MB = 10**6
-MODES = ("stock", "reshard", "reshard-nocrc", "reshard-noconv", "reshard-direct", "reshard-readinto",
-         "reshard-readinto-crc")
-DEFAULT_MODES = ("stock", "reshard", "reshard-nocrc", "reshard-noconv", "reshard-direct", "reshard-readinto")
+MODES = ("stock", "reshard", "reshard-nocrc", "reshard-dcp")
+DEFAULT_MODES = MODES
 
 
 def _bench_write():
@@ -308,8 +304,7 @@ def main() -> None:
         verify_jobs: dict[str, dict] = {}
         if not args.no_verify:
             hashes = {}
-            same_reads = {"reshard-nocrc": "reshard", "reshard-noconv": "reshard",  # one run per distinct read path
-                          "reshard-readinto-crc": "reshard-readinto"}
+            same_reads = {"reshard-nocrc": "reshard"}  # one run per distinct read path
             for mode in dict.fromkeys(same_reads.get(m, m) for m in modes):
                 job = run_job(mode, folder[mode], args.fsdp, work, extra_env={"BENCH_VERIFY": "1"})
                 verify_jobs[mode] = job
@@ -361,7 +356,8 @@ def main() -> None:
                           f"job {mw / sw:.2f}x")
 
         print("\nper rank (last timed run of each loader; bytes in MB = 10^6; 'tensor data read' = bytes of every "
-              "slice / get_tensor taken from safetensors (readinto: bytes read into local shards); rchar/read_bytes = "
+              "slice / get_tensor taken from safetensors (reshard's own-file reads: bytes read into local shards); "
+              "rchar/read_bytes = "
               "/proc/self/io deltas over from_pretrained):")
         print(f"{'loader':20s} {'rank':>4s} {'tensor data read':>16s} {'own share':>10s} {'read/share':>10s} "
               f"{'data files':>10s} {'files opened':>12s} {'rchar':>8s} {'read_bytes':>10s} "

@@ -3,13 +3,12 @@
 usage (under torchrun): load_rank.py MODE FOLDER FSDP REPORT_DIR
     MODE: `stock`          `AutoModelForCausalLM.from_pretrained(FOLDER,
                                                              distributed_config=DistributedConfig(fsdp_size=FSDP))`
-          `reshard`        `reshard.from_pretrained(FOLDER)` (CRC pre-check on, the default)
+          `reshard`        `reshard.from_pretrained(FOLDER)`: each rank reads its own files into its local shards,
+                           CRC-32 computed as the bytes pass (the default)
           `reshard-nocrc`  the same with `check_checksums=False`
-          prototypes of proposed changes to reshard (monkeypatched here, in the benchmark only; see PROTOTYPES):
-          `reshard-noconv` reshard-nocrc + skip transformers' `get_model_conversion_mapping` on the DCP path
-          `reshard-direct` reshard-noconv + replace `dcp.load` by a direct copy from this rank's own files
-          `reshard-readinto` reshard-noconv + read this rank's own files straight into the local shards' memory
-          `reshard-readinto-crc` the same, CRC-32 computed over the bytes as they are read (checked after)
+          `reshard-dcp`    `reshard.from_pretrained(FOLDER)` made to take transformers' `dcp.load` path (what
+                           reshard falls back to when a model does not match the folder's chunks): a CRC pass
+                           over the rank's files, then `dcp.load` (here forced by making `plan_reads` decline)
 
 Environment switches:
     BENCH_VERIFY=1      after the timed load, write a SHA-1 of every local shard (with its placement, shape and
@@ -25,8 +24,8 @@ Each rank writes REPORT_DIR/rank{r}.json with:
 - `reads`: what this rank materialized through safetensors: every `safe_open` is proxied (files opened, per
   phase), every slice `__getitem__` / `get_tensor` result counted (bytes of the returned tensor, per file and per
   phase). Stock and the DCP path read tensor data through safetensors' whole-file mmap (no read() syscalls), so
-  this is the measure of tensor bytes read; it does not see kernel readahead / fault-around. The readinto
-  prototypes bypass safetensors and count what they read themselves. (The resident size of each file's mapping
+  this is the measure of tensor bytes read; it does not see kernel readahead / fault-around. reshard's own-file
+  reads bypass safetensors: `local_read.read_file` is wrapped to count the files and tensor bytes it reads. (The resident size of each file's mapping
   in /proc/self/smaps was tried and dropped: after copying 143 MB out of a safe_open'd file, its mapping showed
   5.5 MB resident.)
 - `io`: /proc/self/io before and after `from_pretrained` (rchar = bytes through read()/pread() syscalls: the CRC
@@ -36,7 +35,7 @@ Each rank writes REPORT_DIR/rank{r}.json with:
   other jobs on the machine; excludes time blocked in collectives);
 - `share`: bytes of this rank's local tensors after the load (its own share), `maxrss_kib`
   (`getrusage(RUSAGE_SELF).ru_maxrss`, i.e. VmHWM: it counts file pages touched through mmap while mapped, so the
-  mmap-based loaders peak about one share higher than the readinto prototype).
+  mmap-based loaders peak about one share higher than reshard's own-file reads).
 """
 
 from __future__ import annotations
@@ -154,8 +153,9 @@ def install_phases(mode: str, model_cls) -> None:
 
         targets += [
             (rl, "read_manifest", "reshard: read_manifest"),
-            (rl, "_check_own_files", "reshard: check own files (size, header, CRC)"),
-            (rl, "_agree", "reshard: agree (all_gather_object)"),
+            (rl, "_check_own_files", "reshard: check own files (size, header)"),
+            (rl, "gather", "reshard: all_gather_object"),
+            (rl, "load_local_shards", "reshard: read own files into local shards"),
             (rl, "_model_class", "reshard: _model_class"),
         ]
     for owner, name, label in targets:
@@ -245,172 +245,24 @@ def install_read_counter() -> ReadCounter:
     return counter
 
 
-# ---- prototypes of proposed reshard changes (benchmark only) -------------------------------------------------
+# ---- reshard's own-file reads -------------------------------------------------------------------------------
 
-PROTOTYPES = {
-    "reshard-noconv": ("noconv",),
-    "reshard-direct": ("noconv", "direct"),
-    "reshard-readinto": ("noconv", "readinto"),
-    "reshard-readinto-crc": ("noconv", "readinto", "crc"),
-}
-_counter = None  # the ReadCounter, for the readinto prototype (which bypasses safetensors)
+def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
+    """Count what `local_read.read_file` reads; for `reshard-dcp`, make every rank decline own-file reads."""
+    import reshard.local_read as local_read
 
+    read_file = local_read.read_file
 
-def _local_targets(model) -> dict:
-    """name -> (local tensor, local shape, global offset) for every entry of the model's state dict."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    def counted_read_file(job):
+        counter.opened(job.path.name)
+        problem = read_file(job)
+        for read in job.reads:
+            counter.got(job.path.name, read.local, _current_phase())
+        return problem
 
-    targets = {}
-    for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-            targets[name] = (tensor._local_tensor, list(shape), list(offset))
-        else:
-            targets[name] = (tensor, list(tensor.shape), [0] * tensor.dim())
-    return targets
-
-
-def _readinto_load(model, checkpoint_dir, *, crc: bool) -> bool:
-    """Read each tensor of this rank's own files straight into its local shard's memory (one copy, no mmap);
-    with `crc`, CRC-32 every byte as it passes and compare with the manifest. False: not applicable here."""
-    import zlib
-    from pathlib import Path
-
-    import torch
-    import torch.distributed as dist
-
-    from reshard.checkpoint import read_header
-    from reshard.errors import LoadError
-    from reshard.manifest import DCP_SHARDING_INFO_KEY, read_manifest
-
-    manifest = read_manifest(checkpoint_dir)
-    crcs = {f["name"]: f["crc32"] for f in manifest.files}
-    targets = _local_targets(model)
-    jobs, seen = [], set()
-    for file in manifest.files_of_rank(dist.get_rank()):
-        path = Path(checkpoint_dir) / file
-        header = read_header(path)
-        info = json.loads(header.metadata.get(DCP_SHARDING_INFO_KEY, "{}"))
-        for entry in header.tensors:
-            local, shape, offset = targets[entry.name]
-            if (list(entry.shape) != shape or info.get(entry.name, {}).get("saved_offsets") != offset
-                    or entry.itemsize != local.element_size() or not local.is_contiguous()):
-                return False
-            seen.add(entry.name)
-        jobs.append((path, header))
-    if set(targets) - seen:
-        return False
-    for path, header in jobs:
-        _counter.opened(path.name)
-        value, pos = 0, 0
-        with open(path, "rb", buffering=0) as fh:
-            for entry in header.tensors:
-                local = targets[entry.name][0]
-                if crc and entry.data_start > pos:  # the header (and any padding) before this tensor
-                    fh.seek(pos)
-                    value = zlib.crc32(fh.read(entry.data_start - pos), value)
-                if not entry.nbytes:
-                    continue
-                buf = memoryview(local.view(torch.uint8).reshape(-1).numpy())
-                fh.seek(entry.data_start)
-                done = 0
-                while done < entry.nbytes:
-                    n = fh.readinto(buf[done:])
-                    if not n:
-                        raise LoadError(f"{path.name}: truncated at {entry.name}")
-                    done += n
-                if crc:
-                    value = zlib.crc32(buf, value)
-                pos = entry.data_start + entry.nbytes
-                _counter.got(path.name, local, _current_phase())
-            if crc:
-                fh.seek(pos)
-                while block := fh.read(16 << 20):
-                    value = zlib.crc32(block, value)
-        if crc and f"{value:08x}" != crcs[path.name]:
-            raise LoadError(f"{path.name} is corrupt (CRC-32 {value:08x}, the manifest says {crcs[path.name]})")
-    return True
-
-
-def install_prototypes(mode: str, folder: str) -> None:
-    """What a leaner `reshard.from_pretrained` could do, measured without touching reshard/.
-
-    noconv: `from_pretrained` builds the weight-conversion mapping (`get_model_conversion_mapping`, which on first use
-        builds transformers' mapping for every model type: ~1000 WeightConverter/WeightRenaming objects, ~900 regex
-        compiles) even on the distributed-checkpoint path, where it is never used (the list goes only into
-        `LoadStateDictConfig.weight_mapping`, read by `_load_pretrained_model`). Return [] while a reshard folder
-        loads through that path.
-    direct: replace `_load_model_checkpoint_distributed` (get_model_state_dict, `dcp.load` with
-        HuggingFaceStorageReader: every file's header, plan gather/scatter collectives, then set_model_state_dict) by
-        copying each tensor of this rank's own files (manifest `files_of_rank`) into its local shard, after checking
-        the file's saved offsets and shape equal the local shard's global offset and shape (else: the original).
-        Still two copies: safetensors slice (out of the mmap) into a new tensor, then into the local shard.
-    readinto: the same checks, then `readinto` from the file straight into each local shard's memory (one copy).
-    crc: with readinto, CRC-32 of the whole file computed over the bytes as they are read, compared with the
-        manifest after the read: the CRC pre-check without a second pass over the file.
-    """
-    import torch
-    import transformers.distributed.mixin as mixin
-    import transformers.modeling_utils as mu
-
-    wanted = PROTOTYPES.get(mode, ())
-    if "noconv" in wanted:
-        import transformers.distributed.checkpoint as tdc
-
-        original_mapping = mu.get_model_conversion_mapping
-        dist_checkpoint = tdc.is_sharded_checkpoint(folder)
-
-        def get_model_conversion_mapping(model, *args, **kwargs):
-            from reshard.patch import _active_manifest
-
-            if _active_manifest.get() is not None and dist_checkpoint:
-                return []
-            return original_mapping(model, *args, **kwargs)
-
-        mu.get_model_conversion_mapping = get_model_conversion_mapping
-    if "readinto" in wanted:
-        original_readinto = mixin._load_model_checkpoint_distributed
-
-        def _load_model_checkpoint_distributed(model, checkpoint_dir, strict=True):  # noqa: F811
-            with torch.no_grad():
-                if not _readinto_load(model, checkpoint_dir, crc="crc" in wanted):
-                    return original_readinto(model, checkpoint_dir, strict)
-
-        mixin._load_model_checkpoint_distributed = _load_model_checkpoint_distributed
-    if "direct" in wanted:
-        original_load = mixin._load_model_checkpoint_distributed
-
-        def _load_model_checkpoint_distributed(model, checkpoint_dir, strict=True):
-            import safetensors
-            import torch.distributed as dist
-
-            from reshard.manifest import DCP_SHARDING_INFO_KEY, read_manifest
-
-            manifest = read_manifest(checkpoint_dir)
-            targets = _local_targets(model)
-            plan, seen = [], set()
-            for file in manifest.files_of_rank(dist.get_rank()):
-                f = safetensors.safe_open(os.path.join(checkpoint_dir, file), "pt")
-                info = json.loads((f.metadata() or {}).get(DCP_SHARDING_INFO_KEY, "{}"))
-                for key in f.keys():
-                    local, shape, offset = targets[key]
-                    s = f.get_slice(key)
-                    if list(s.get_shape()) != shape or info.get(key, {}).get("saved_offsets") != offset:
-                        return original_load(model, checkpoint_dir, strict)
-                    plan.append((local, s))
-                    seen.add(key)
-                plan.append((None, f))
-            if set(targets) - seen:  # e.g. a persistent buffer kept in another coordinate's file
-                return original_load(model, checkpoint_dir, strict)
-            with torch.no_grad():
-                for local, s in plan:
-                    if local is None:
-                        s.__exit__(None, None, None)
-                    elif local.numel():
-                        local.copy_(s[...])
-
-        mixin._load_model_checkpoint_distributed = _load_model_checkpoint_distributed
+    local_read.read_file = counted_read_file
+    if mode == "reshard-dcp":
+        local_read.plan_reads = lambda *args, **kwargs: "the benchmark's reshard-dcp mode"
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
@@ -444,9 +296,9 @@ def main() -> None:
     model_cls = getattr(transformers, config.architectures[0])
     times["imports"] = time.time()
 
-    global _counter
-    counter = _counter = install_read_counter()
-    install_prototypes(mode, folder)
+    counter = install_read_counter()
+    if mode != "stock":
+        install_reshard_reads(mode, counter)
     install_phases(mode, model_cls)
     profile_rank = os.environ.get("BENCH_PROFILE")
     profiler = None
@@ -464,7 +316,7 @@ def main() -> None:
     if mode == "stock":
         model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=fsdp))
     else:
-        model = reshard.from_pretrained(folder, check_checksums=(mode == "reshard"))  # prototypes: no CRC
+        model = reshard.from_pretrained(folder, check_checksums=(mode != "reshard-nocrc"))
     if profiler:
         profiler.disable()
     times["load_end"] = time.time()

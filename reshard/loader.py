@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 from .errors import LoadError, ReshardError
+from .local_read import gather, raise_if_any, torch_dtype
 from .manifest import Manifest, read_manifest
 from .patch import active_manifest, patch_transformers, unpatch_transformers  # noqa: F401  (re-exported)
 
@@ -20,44 +20,25 @@ def _model_class(manifest: Manifest, model_class):
         transformers.AutoModelForCausalLM
 
 
-def _check_own_files(manifest: Manifest, rank: int, *, checksums: bool) -> str | None:
-    """Validate the files this rank reads; return a problem description or None."""
+def _check_own_files(manifest: Manifest, rank: int) -> str | None:
+    """Check the files this rank reads exist with the size and a valid header; a problem description or None.
+
+    Their CRC-32 is checked while they are read (`local_read`), not here: that would read them twice.
+    """
     from .checkpoint import read_header
 
-    wanted = {f["name"]: f for f in manifest.files}
+    sizes = {f["name"]: f["bytes"] for f in manifest.files}
     for name in manifest.files_of_rank(rank):
         path = manifest.path / name
-        entry = wanted[name]
         if not path.exists():
             return f"{name} is missing"
-        if path.stat().st_size != entry["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+        if path.stat().st_size != sizes[name]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {sizes[name]}"
         try:
             read_header(path)
         except ReshardError as e:
             return str(e)
-        if checksums:
-            crc, buffer = 0, bytearray(1 << 20)  # one reused buffer: fresh 16 MiB blocks cost page faults
-            view = memoryview(buffer)
-            with open(path, "rb", buffering=0) as f:
-                while n := f.readinto(buffer):
-                    crc = zlib.crc32(view[:n], crc)
-            if f"{crc:08x}" != entry["crc32"]:
-                return f"{name} is corrupt (CRC-32 {crc:08x}, the manifest says {entry['crc32']})"
     return None
-
-
-def _agree(problem: str | None) -> None:
-    """Every rank learns every rank's problem, so all of them raise together instead of one hanging."""
-    import torch.distributed as dist
-
-    problems: list = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    failed = [(r, p) for r, p in enumerate(problems) if p]
-    if failed:
-        detail = "; ".join(f"rank {r}: {p}" for r, p in failed)
-        raise LoadError(f"{len(failed)} rank(s) cannot load their shard ({detail}). Every rank stops here. "
-                        "Run `reshard verify` on the folder, or write it again.")
 
 
 def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_config=None,
@@ -73,7 +54,7 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
         folder: the output of `reshard write`.
         model_class: a transformers model class (default: the architecture recorded in the manifest).
         distributed_config: a `DistributedConfig`; built from the manifest when omitted.
-        check_checksums: verify this rank's files' CRC-32 before loading (reads them once more).
+        check_checksums: verify the CRC-32 of this rank's files (computed over the bytes as they are read).
         **kwargs: passed to `model_class.from_pretrained`.
 
     Returns:
@@ -113,8 +94,8 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
         if given != wanted:
             raise LoadError(f"distributed_config {given} does not match the mesh {folder} was written for "
                             f"({wanted}). Pass {mesh.distributed_config_repr()} or omit distributed_config.")
-    _agree(_check_own_files(manifest, dist.get_rank(), checksums=check_checksums))
-    with active_manifest(manifest.data):
+    raise_if_any(gather(_check_own_files(manifest, dist.get_rank())))
+    with active_manifest(manifest.data, checksums=check_checksums):
         return model_class.from_pretrained(folder, distributed_config=distributed_config, **kwargs)
 
 
@@ -128,10 +109,7 @@ def assemble_state_dict(folder: str | os.PathLike) -> dict:
     from safetensors import safe_open
 
     manifest = read_manifest(folder)
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-    out = {name: torch.empty(info["shape"], dtype=dtypes[info["dtype"]])
+    out = {name: torch.empty(info["shape"], dtype=torch_dtype(info["dtype"]))
            for name, info in manifest.data["tensors"].items()}
     for entry in manifest.files:
         with safe_open(manifest.path / entry["name"], framework="pt") as f:

@@ -16,6 +16,7 @@ Persistent buffers are not sharded by FSDP: they are written once, in coordinate
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,16 @@ def read_manifest(folder: str | Path) -> Manifest:
         raise VerifyError([f"{path}: format {data.get('format')!r} version {data.get('version')!r}; this reshard "
                            f"reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}."])
     return Manifest(data, folder)
+
+
+def file_crc32(path: str | Path) -> str:
+    """CRC-32 of a whole file as the manifest records it (8 hex digits), read through one reused 1 MiB buffer."""
+    crc, buffer = 0, bytearray(1 << 20)  # a fresh block per read would cost page faults on every block
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
 
 
 def dump_manifest(data: dict) -> str:

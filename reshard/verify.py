@@ -5,23 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import zlib
 from pathlib import Path
 
 from .checkpoint import DTYPE_BITS, read_checkpoint, read_header
 from .errors import ReshardError, VerifyError
 from .layout import Piece, Role, TargetTensor
-from .manifest import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY, read_manifest
+from .manifest import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY, file_crc32, read_manifest
 from .write import COPY_BUFFER_BYTES, chunk_runs
-
-
-def _crc32(path: Path) -> int:
-    crc, buffer = 0, bytearray(COPY_BUFFER_BYTES)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
 
 
 def _overlap(a, b) -> bool:
@@ -65,7 +55,7 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
         if path.stat().st_size != entry["bytes"]:
             problems.append(f"{entry['name']}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
             continue
-        if checksums and f"{_crc32(path):08x}" != entry["crc32"]:
+        if checksums and file_crc32(path) != entry["crc32"]:
             corrupt.append(f"{entry['name']}: CRC-32 differs from the manifest (the file is corrupt)")
         try:
             header = read_header(path)

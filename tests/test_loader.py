@@ -27,9 +27,11 @@ def load(mode, folder, src, tmp_path, fsdp, ep=1, *, check=True, timeout=240):
     return result, out
 
 
-def assert_loaded_exactly(reports, ep=1):
+def assert_loaded_exactly(reports, ep=1, *, dcp_load_calls=None):
     for report in reports:
         assert "error" not in report, report.get("traceback", report)
+        if dcp_load_calls is not None:
+            assert report["dcp_load_calls"] == dcp_load_calls
         assert report["mismatched"] == [], report["mismatched"]
         assert report["uninitialized"] == [], report["uninitialized"]
         if ep == 1:
@@ -58,7 +60,20 @@ def test_reshard_folder_loads_exactly_on_every_rank(tiny, tmp_path, model_type, 
     out = tmp_path / "out"
     write_checkpoint(src, out, MeshSpec(fsdp=fsdp, ep=ep), progress=False)
     _, reports = load("reshard", out, src, tmp_path, fsdp, ep)
-    assert_loaded_exactly(reports, ep)
+    assert_loaded_exactly(reports, ep, dcp_load_calls=0)  # each rank read its own files, not through dcp.load
+
+
+@pytest.mark.multirank
+def test_a_dtype_conversion_falls_back_to_dcp_load_on_every_rank(tiny, tmp_path):
+    """float32 files into a bfloat16 model: no rank can read its shards as they are, so all of them use dcp.load."""
+    src = tiny("mixtral")
+    out = tmp_path / "out"
+    write_checkpoint(src, out, MeshSpec(fsdp=5), progress=False)
+    _, reports = load("reshard-bf16", out, src, tmp_path, 5)
+    for report in reports:
+        assert "error" not in report, report.get("traceback", report)
+        assert report["dcp_load_calls"] == 1
+        assert report["mismatched"] == [] and report["uninitialized"] == [] and report["step_ok"]
 
 
 @pytest.mark.multirank
@@ -90,7 +105,7 @@ def test_balanced_layout_gives_every_rank_the_same_expert_bytes(tiny, tmp_path):
         out = tmp_path / mode
         manifest = write_checkpoint(src, out, MeshSpec(fsdp=8, ep=2), mode=mode, progress=False)
         _, reports = load("reshard", out, src, tmp_path / mode, 8, 2)
-        assert_loaded_exactly(reports, 2)
+        assert_loaded_exactly(reports, 2, dcp_load_calls=0)
         per_rank = expert_bytes_per_rank(reports, manifest)
         ratios[mode] = max(per_rank) / (sum(per_rank) / len(per_rank))
     assert ratios["balanced"] == 1.0
@@ -105,19 +120,81 @@ def test_each_rank_checks_its_own_files(tiny, tmp_path):
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
     manifest = read_manifest(out)
-    assert [_check_own_files(manifest, r, checksums=True) for r in range(4)] == [None] * 4
+    assert [_check_own_files(manifest, r) for r in range(4)] == [None] * 4
     (out / "shard-00002-model-00001-of-00001.safetensors").unlink()
     victim = out / "shard-00003-model-00001-of-00001.safetensors"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-100])
+    assert _check_own_files(manifest, 0) is None
+    assert _check_own_files(manifest, 1) == "shard-00002-model-00001-of-00001.safetensors is missing"
+    assert _check_own_files(manifest, 2) == (f"shard-00003-model-00001-of-00001.safetensors has {len(data) - 100} "
+                                             f"bytes, the manifest says {len(data)}")
+    victim.write_bytes(b"\xff" * 8 + data[8:])  # same size, a length prefix past the file
+    assert "the header length prefix says" in _check_own_files(manifest, 2)
+
+
+def _read_plan(folder, rank, checksums=True):
+    """A one-process stand-in for `plan_reads`: every tensor of the rank's files into a fresh CPU tensor."""
+    from reshard.checkpoint import read_header
+    from reshard.local_read import _FileReads, _Read, torch_dtype
+    from reshard.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    crcs = {f["name"]: f["crc32"] for f in manifest.files}
+    jobs = []
+    for name in manifest.files_of_rank(rank):
+        header = read_header(folder / name)
+        reads = tuple(_Read(e, torch.full(e.shape, float("nan")).to(torch_dtype(e.dtype))) for e in header.tensors)
+        jobs.append(_FileReads(folder / name, header, reads, crcs[name] if checksums else None))
+    return jobs
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_reads_through_the_staging_buffers_are_exact(tmp_path, layout):
+    """The accelerator path on the host: chunks through two reused buffers (7 bytes here), the CRC worker behind."""
+    import zlib
+
+    from reshard.local_read import _BackgroundCrc, _read_tensor, _Staging
+
+    data = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    path = tmp_path / "blob"
+    path.write_bytes(b"skip" + data.numpy().tobytes())
+    local = torch.full((10, 100), float("nan")) if layout == "contiguous" else torch.full((100, 10), float("nan")).t()
+    crc = _BackgroundCrc()
+    with open(path, "rb", buffering=0) as fh:
+        fh.seek(4)
+        _read_tensor(fh, data.numel() * 4, local, crc, _Staging(7), "blob", in_place=False)
+    assert torch.equal(local, data)
+    assert crc.hexdigest() == f"{zlib.crc32(data.numpy().tobytes()):08x}"
+
+
+def test_own_file_reads_are_exact_and_catch_a_flipped_byte(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from reshard.local_read import read_file
+
+    out = tmp_path / "out"
+    write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
+    for rank in range(4):
+        for job in _read_plan(out, rank):
+            assert read_file(job) is None
+            reference = load_file(job.path)
+            assert {r.entry.name for r in job.reads} == set(reference)
+            for read in job.reads:
+                assert torch.equal(read.local, reference[read.entry.name]), read.entry.name
+    victim = out / "shard-00003-model-00001-of-00001.safetensors"
     data = bytearray(victim.read_bytes())
-    data[-5] ^= 0xFF
+    data[-5] ^= 0xFF  # same size, valid header: only the CRC sees it
     victim.write_bytes(bytes(data))
-    assert _check_own_files(manifest, 0, checksums=True) is None
-    assert _check_own_files(manifest, 1, checksums=True) == "shard-00002-model-00001-of-00001.safetensors is missing"
-    assert "is corrupt (CRC-32" in _check_own_files(manifest, 2, checksums=True)
-    assert _check_own_files(manifest, 2, checksums=False) is None  # same size, valid header: only the CRC sees it
-    victim.write_bytes(bytes(data[:-100]))
-    assert "has" in _check_own_files(manifest, 2, checksums=False) and "the manifest says" in \
-        _check_own_files(manifest, 2, checksums=False)
+    (job,) = _read_plan(out, 2)
+    assert read_file(job).startswith("shard-00003-model-00001-of-00001.safetensors is corrupt (CRC-32 ")
+    (job,) = _read_plan(out, 2, checksums=False)
+    assert read_file(job) is None
+    data[-5] ^= 0xFF
+    data[data.index(b'"format":"pt"') + 11] ^= 0x01  # "pt" -> "pu": the header still parses; the CRC covers it
+    victim.write_bytes(bytes(data))
+    (job,) = _read_plan(out, 2)
+    assert "is corrupt" in read_file(job)
 
 
 @pytest.mark.multirank

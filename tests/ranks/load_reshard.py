@@ -1,8 +1,10 @@
 """Rank script: load a checkpoint on a gloo mesh and report what each rank got.
 
 usage: load_reshard.py MODE FOLDER SRC REPORT_DIR FSDP EP
-MODE: `reshard` (reshard.from_pretrained(FOLDER)), `stock` (stock transformers on FOLDER, no patch) or `patched`
+MODE: `reshard` (reshard.from_pretrained(FOLDER)), `reshard-bf16` (the same with dtype=bfloat16, which the files do
+not hold: a dtype conversion), `stock` (stock transformers on FOLDER, no patch) or `patched`
 (reshard.patch_transformers(), then transformers' own from_pretrained on FOLDER: e.g. an original checkpoint).
+The report counts `dcp.load` calls, to tell reshard's own-file reads from the distributed-checkpoint fallback.
 Each rank writes REPORT_DIR/rank{r}.json (or rank{r}.error.json with the exception) and exits non-zero on error.
 """
 
@@ -20,23 +22,33 @@ def main():
     mode, folder, src, report_dir, fsdp, ep = sys.argv[1:7]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    report = {"rank": rank}
+    report = {"rank": rank, "dcp_load_calls": 0}
+    import torch.distributed.checkpoint as dcp
+
+    dcp_load = dcp.load
+
+    def counted_load(*args, **kwargs):
+        report["dcp_load_calls"] += 1
+        return dcp_load(*args, **kwargs)
+
+    dcp.load = counted_load
     try:
         from transformers import AutoModelForCausalLM
         from transformers.distributed import DistributedConfig
 
         config = DistributedConfig(fsdp_size=int(fsdp), **({"ep_size": int(ep)} if int(ep) > 1 else {}))
-        if mode == "reshard":
+        dtype = {"dtype": torch.bfloat16} if mode == "reshard-bf16" else {}
+        if mode.startswith("reshard"):
             import reshard
 
-            model = reshard.from_pretrained(folder)
+            model = reshard.from_pretrained(folder, **dtype)
         else:
             if mode == "patched":
                 import reshard
 
                 reshard.patch_transformers()
             model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config)
-        reference = AutoModelForCausalLM.from_pretrained(src)
+        reference = AutoModelForCausalLM.from_pretrained(src, **dtype)
         ref_state = reference.state_dict()
         mismatched, uninitialized, local = [], [], {}
         for name, tensor in model.state_dict().items():
