@@ -12,10 +12,21 @@ import sys
 
 
 def _count_reads():
-    """Record the files and bytes this rank's distributed-checkpoint reader reads tensor data from."""
+    """Record the files and tensor bytes this rank reads: reshard's own-file reads, or `dcp.load`'s reader where the
+    loader falls back to it."""
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
+    import reshard.local_read as local_read
+
     seen = {"files": set(), "bytes": 0}
+    read_file = local_read.read_file
+
+    def counted_read_file(job):
+        seen["files"].add(job.path.name)
+        seen["bytes"] += sum(read.entry.nbytes for read in job.reads)
+        return read_file(job)
+
+    local_read.read_file = counted_read_file
     original = HuggingFaceStorageReader.read_data
 
     def read_data(self, plan, planner):

@@ -85,6 +85,8 @@ def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float) -> 
         report = json.loads(path.read_text()) if path.exists() else {"error": "no report"}
         if report.get("error") or report.get("mismatched") or report.get("uninitialized"):
             errors.append(f"rank {r}: {report.get('error') or report}")
+        elif not report.get("bytes"):
+            errors.append(f"rank {r}: no tensor data read was counted (the demo's read counter missed the loader)")
     if result.returncode != 0 or errors:
         raise ReshardError("the multi-rank load failed:\n" + "\n".join(errors) + "\n" + result.stderr[-2000:])
 

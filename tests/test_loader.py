@@ -198,8 +198,11 @@ def test_own_file_reads_are_exact_and_catch_a_flipped_byte(tiny, tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("damage", ["corrupt"])
-def test_a_bad_shard_stops_every_rank_with_the_reason(tiny, tmp_path, damage):
+@pytest.mark.parametrize("damage, mode", [("corrupt", "reshard"), ("remove", "patched")],
+                         ids=["corrupt-reshard.from_pretrained", "remove-patched-transformers"])
+def test_a_bad_shard_stops_every_rank_with_the_reason(tiny, tmp_path, damage, mode):
+    """A flipped byte is caught by the CRC as the rank reads; a removed file, by the read itself when transformers'
+    own from_pretrained (patched) skips reshard's pre-check. Either way every rank raises, naming rank 2."""
     src = tiny("qwen3_moe")
     out = tmp_path / "out"
     write_checkpoint(src, out, MeshSpec(fsdp=4), progress=False)
@@ -211,13 +214,13 @@ def test_a_bad_shard_stops_every_rank_with_the_reason(tiny, tmp_path, damage):
         data[-5] ^= 0xFF
         victim.write_bytes(bytes(data))
     start = time.monotonic()
-    result, reports = load("reshard", out, src, tmp_path, 4, check=False, timeout=60)
+    result, reports = load(mode, out, src, tmp_path, 4, check=False, timeout=60)
     assert time.monotonic() - start < 60
     assert result.returncode != 0
     for report in reports:
         assert report["error"].startswith("LoadError"), report
         assert "rank 2: shard-00003-model-00001-of-00001.safetensors" in report["error"]
-        assert ("missing" if damage == "remove" else "corrupt") in report["error"]
+        assert ("cannot read" if damage == "remove" else "is corrupt (CRC-32") in report["error"], report["error"]
 
 
 def test_whole_model_in_one_process_equals_transformers(tiny, tmp_path):
