@@ -14,6 +14,7 @@ ranks: either every rank takes this path or every rank falls back to `dcp.load`,
 
 from __future__ import annotations
 
+import json
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def plan_reads(model, manifest: Manifest, rank: int, *, checksums: bool) -> list
         for name, info in entry["tensors"].items():
             chunks.setdefault((name, tuple(info["offsets"]), tuple(info["shape"])), entry["name"])
     wanted: dict[str, list[tuple[str, object, tuple[int, ...]]]] = {name: [] for name in own}
-    placed: set[int] = set()
+    placed: set[tuple] = set()  # (address, shape) of every local that is read
     unplaced = []
     for name, (local, shape, offset) in local_boxes(model).items():
         if local.numel() == 0:
@@ -82,9 +83,9 @@ def plan_reads(model, manifest: Manifest, rank: int, *, checksums: bool) -> list
             unplaced.append((name, local, shape, offset))
             continue
         wanted.setdefault(file, []).append((name, local, offset))
-        placed.add(local.untyped_storage().data_ptr())
+        placed.add((local.data_ptr(), tuple(local.shape)))
     for name, local, shape, offset in unplaced:
-        if local.untyped_storage().data_ptr() not in placed:  # a tied weight shares a placed tensor's memory
+        if (local.data_ptr(), tuple(local.shape)) not in placed:  # a tied weight is the same memory as a read one
             return f"no chunk of {name} at offset {list(offset)} with shape {list(shape)} in the folder"
     crcs = {f["name"]: f["crc32"] for f in manifest.files}
     plan = []
@@ -106,8 +107,6 @@ def plan_reads(model, manifest: Manifest, rank: int, *, checksums: bool) -> list
 
 
 def _saved_offsets(header: FileHeader) -> dict[str, list[int]]:
-    import json
-
     info = json.loads(header.metadata.get(DCP_SHARDING_INFO_KEY) or "{}")
     return {name: chunk.get(SAVED_OFFSETS_KEY) for name, chunk in info.items()}
 
@@ -309,8 +308,10 @@ def load_local_shards(model, manifest: Manifest, *, checksums: bool = True) -> b
         else:
             for job in plan:
                 problem = problem or read_file(job)
-    except (ReshardError, OSError) as e:
+    except ReshardError as e:
         problem = str(e)
+    except Exception as e:  # noqa: BLE001  anything else too: raising alone would leave the other ranks in gather
+        problem = f"{type(e).__name__}: {e}"
     notes = gather((reason, problem))
     raise_if_any([p for _, p in notes])
     reasons = [(r, why) for r, (why, _) in enumerate(notes) if why]
