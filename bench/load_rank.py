@@ -253,9 +253,9 @@ def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
 
     read_file = local_read.read_file
 
-    def counted_read_file(job):
+    def counted_read_file(job, *args, **kwargs):
         counter.opened(job.path.name)
-        problem = read_file(job)
+        problem = read_file(job, *args, **kwargs)
         for read in job.reads:
             counter.got(job.path.name, read.local, _current_phase())
         return problem

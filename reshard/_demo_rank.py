@@ -21,10 +21,10 @@ def _count_reads():
     seen = {"files": set(), "bytes": 0}
     read_file = local_read.read_file
 
-    def counted_read_file(job):
+    def counted_read_file(job, *args, **kwargs):
         seen["files"].add(job.path.name)
         seen["bytes"] += sum(read.entry.nbytes for read in job.reads)
-        return read_file(job)
+        return read_file(job, *args, **kwargs)
 
     local_read.read_file = counted_read_file
     original = HuggingFaceStorageReader.read_data

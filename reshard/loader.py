@@ -109,8 +109,12 @@ def assemble_state_dict(folder: str | os.PathLike) -> dict:
     from safetensors import safe_open
 
     manifest = read_manifest(folder)
-    out = {name: torch.empty(info["shape"], dtype=torch_dtype(info["dtype"]))
-           for name, info in manifest.data["tensors"].items()}
+    out = {}
+    for name, info in manifest.data["tensors"].items():
+        dtype = torch_dtype(info["dtype"])
+        if dtype is None:
+            raise LoadError(f"{name} is {info['dtype']}, a safetensors dtype this loader cannot assemble in torch.")
+        out[name] = torch.empty(info["shape"], dtype=dtype)
     for entry in manifest.files:
         with safe_open(manifest.path / entry["name"], framework="pt") as f:
             for name, info in entry["tensors"].items():

@@ -78,6 +78,8 @@ def plan_reads(model, manifest: Manifest, rank: int, *, checksums: bool) -> list
     for name, (local, shape, offset) in local_boxes(model).items():
         if local.numel() == 0:
             continue  # an empty local: nothing to read (its file holds an explicit empty marker)
+        if (local.data_ptr(), tuple(local.shape)) in placed:
+            continue  # a tied weight: its memory is read once (its own copy in the file still passes the CRC)
         file = chunks.get((name, offset, shape))
         if file is None:
             unplaced.append((name, local, shape, offset))
@@ -186,20 +188,23 @@ class _BackgroundCrc:
         self._pool.shutdown(wait=True)
 
 
-def read_file(job: _FileReads) -> str | None:
+def read_file(job: _FileReads, staging: _Staging | None = None) -> str | None:
     """Read one file's tensors into their local shards; with a CRC to check, every byte of the file passes it.
 
+    `staging`: the host buffers for accelerator shards, shared by a rank's files (made here if not given).
     Returns a problem description, or None.
     """
     import torch
 
     reads = {r.entry.name: r for r in job.reads}
     crc = _BackgroundCrc() if job.crc32 is not None else None
-    staging = _Staging()
+    staging = staging or _Staging()
     try:
         with torch.no_grad(), open(job.path, "rb", buffering=0) as fh:
             if crc:
-                crc.update(fh.read(job.header.header_bytes))
+                header = bytearray(job.header.header_bytes)
+                _fill(fh, memoryview(header), job.path.name)
+                crc.update(header)
             position = job.header.header_bytes
             for entry in sorted(job.header.tensors, key=lambda e: e.data_start):
                 read = reads.get(entry.name)
@@ -306,8 +311,9 @@ def load_local_shards(model, manifest: Manifest, *, checksums: bool = True) -> b
         if isinstance(plan, str):
             reason = plan
         else:
+            staging = _Staging()
             for job in plan:
-                problem = problem or read_file(job)
+                problem = problem or read_file(job, staging)
     except ReshardError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001  anything else too: raising alone would leave the other ranks in gather
@@ -324,8 +330,20 @@ def load_local_shards(model, manifest: Manifest, *, checksums: bool = True) -> b
         warnings.warn(f"reshard: loading through dcp.load, not from each rank's own files: rank {r}: {why}",
                       stacklevel=2)
     if checksums:
-        own = {f["name"]: f["crc32"] for f in manifest.files}
-        bad = [f"{name} is corrupt (CRC-32 {crc}, the manifest says {own[name]})"
-               for name in manifest.files_of_rank(rank) if (crc := file_crc32(manifest.path / name)) != own[name]]
-        raise_if_any(gather("; ".join(bad) or None))
+        raise_if_any(gather(_own_files_problem(manifest, rank)))
     return False
+
+
+def _own_files_problem(manifest: Manifest, rank: int) -> str | None:
+    """CRC-32 of each of this rank's files against the manifest; a problem description or None. Never raises."""
+    expected = {f["name"]: f["crc32"] for f in manifest.files}
+    problems = []
+    for name in manifest.files_of_rank(rank):
+        try:
+            crc = file_crc32(manifest.path / name)
+        except OSError as e:
+            problems.append(f"{name} cannot be read ({e.strerror or e})")
+            continue
+        if crc != expected[name]:
+            problems.append(f"{name} is corrupt (CRC-32 {crc}, the manifest says {expected[name]})")
+    return "; ".join(problems) or None

@@ -241,9 +241,12 @@ def _wrap_load_distributed(original):
         from .local_read import load_local_shards
         from .manifest import MANIFEST_NAME, Manifest
 
+        import torch.distributed as dist
+
         manifest = _active_manifest.get()
-        if manifest is None or not strict or not os.path.isfile(os.path.join(checkpoint_dir, MANIFEST_NAME)):
-            return original(model, checkpoint_dir, strict)
+        if (manifest is None or not strict or not (dist.is_available() and dist.is_initialized())
+                or not os.path.isfile(os.path.join(checkpoint_dir, MANIFEST_NAME))):
+            return original(model, checkpoint_dir, strict)  # e.g. one process, no group: dcp.load needs none
         if not load_local_shards(model, Manifest(manifest, Path(checkpoint_dir)), checksums=_checksums.get()):
             return original(model, checkpoint_dir, strict)
         return None
@@ -253,10 +256,13 @@ def _wrap_load_distributed(original):
 
 def _wrap_conversion_mapping(original):
     @functools.wraps(original)
-    def get_model_conversion_mapping(model, *args, **kwargs):
+    def get_model_conversion_mapping(model, key_mapping=None, *args, **kwargs):
         # The distributed-checkpoint path never reads the mapping (only `_load_pretrained_model` does), and its first
-        # build compiles transformers' whole table: ~0.1-0.2 s of every rank's load.
-        return [] if _dcp_path.get() else original(model, *args, **kwargs)
+        # build compiles transformers' whole table: ~0.1-0.2 s of every rank's load. A user's key_mapping is kept:
+        # PEFT adapter loading reads it from the load config.
+        if _dcp_path.get() and key_mapping is None:
+            return []
+        return original(model, key_mapping, *args, **kwargs)
 
     return get_model_conversion_mapping
 
@@ -273,13 +279,18 @@ def _wrap_from_pretrained(original):
         path = None if pretrained_model_name_or_path is None else \
             os.path.join(os.fspath(pretrained_model_name_or_path), MANIFEST_NAME)
         if path is None or not os.path.isfile(path):
-            return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+            token = _dcp_path.set(False)  # a checkpoint loaded inside a reshard load is an ordinary one
+            try:
+                return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+            finally:
+                _dcp_path.reset(token)
         manifest = _active_manifest.get()  # set by reshard.from_pretrained, which has read it already
         if manifest is None:
             with open(path) as f:
                 manifest = json.load(f)
         # transformers takes its distributed-checkpoint path for a folder of shard files unless these are given.
-        dcp_token = _dcp_path.set(not any(kwargs.get(k) for k in ("state_dict", "gguf_file", "subfolder")))
+        dcp_token = _dcp_path.set(all(kwargs.get(k) is None for k in ("state_dict", "gguf_file"))
+                                  and not kwargs.get("subfolder"))
         try:
             with active_manifest(manifest):
                 return func(cls, pretrained_model_name_or_path, *args, **kwargs)

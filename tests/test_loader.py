@@ -290,6 +290,48 @@ def test_stock_transformers_clobbers_an_offmeta_buffer_and_the_patch_keeps_it(ti
     assert reshard.check_buffers(patched, warn=False) == []
 
 
+def test_patched_transformers_loads_a_reshard_folder_without_a_process_group(tiny, tmp_path):
+    """One process, no group: transformers' own load of the folder (through dcp.load) still works under the patch."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    src = tiny("qwen3_moe")
+    out = tmp_path / "out"
+    write_checkpoint(src, out, MeshSpec(fsdp=4), progress=False)
+    assert not dist.is_initialized()
+    with reshard.patch_transformers():
+        loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_the_fallback_crc_pass_reports_a_missing_file_instead_of_raising(tiny, tmp_path):
+    from reshard.local_read import _own_files_problem
+    from reshard.manifest import read_manifest
+
+    out = tmp_path / "out"
+    write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
+    manifest = read_manifest(out)
+    assert _own_files_problem(manifest, 1) is None
+    (out / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    assert _own_files_problem(manifest, 1).startswith("shard-00002-model-00001-of-00001.safetensors cannot be read")
+
+
+def test_a_users_key_mapping_is_kept_on_the_distributed_checkpoint_path():
+    from reshard.patch import _dcp_path, _wrap_conversion_mapping
+
+    mapping = _wrap_conversion_mapping(lambda model, key_mapping=None, *rest: ["built", key_mapping])
+    token = _dcp_path.set(True)
+    try:
+        assert mapping("model") == [] and mapping("model", None, None) == []
+        assert mapping("model", {"a": "b"}, None) == ["built", {"a": "b"}]
+    finally:
+        _dcp_path.reset(token)
+    assert mapping("model") == ["built", None]
+
+
 def test_patch_is_idempotent_and_undoes_itself():
     import transformers.core_model_loading as cml
     import transformers.distributed.fsdp as fsdp
