@@ -84,26 +84,7 @@ def mixtral_config(args, layers=None, *, tiny=False):
 
 def on_disk_tensors(config) -> list[tuple[str, tuple[int, ...]]]:
     """Mixtral's on-disk keys and shapes (what `save_pretrained` writes: per-expert w1/w2/w3, `block_sparse_moe`)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    out = []
-    for name, tensor in model.state_dict().items():
-        shape = tuple(tensor.shape)
-        name = name.replace(".mlp.", ".block_sparse_moe.")
-        if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: w1 (gate) rows, then w3 (up) rows
-            prefix, (experts, two_i, hidden) = name[: -len("gate_up_proj")], shape
-            for e in range(experts):
-                out.append((f"{prefix}{e}.w1.weight", (two_i // 2, hidden)))
-                out.append((f"{prefix}{e}.w3.weight", (two_i // 2, hidden)))
-        elif name.endswith(".experts.down_proj"):  # [E, H, I]
-            prefix, (experts, hidden, inter) = name[: -len("down_proj")], shape
-            out.extend((f"{prefix}{e}.w2.weight", (hidden, inter)) for e in range(experts))
-        else:
-            out.append((name, shape))
-    return out
+    return bw.on_disk_tensors(config, block="block_sparse_moe", experts=("w1", "w3", "w2"))
 
 
 def check_key_names(args, work: Path) -> None:

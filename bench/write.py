@@ -59,24 +59,31 @@ def qwen3_moe_config(layers: int):
     return config
 
 
-def on_disk_tensors(config) -> list[tuple[str, tuple[int, ...]]]:
-    """The per-expert on-disk keys and shapes (`save_pretrained`'s original format) of `config`'s model."""
+def on_disk_tensors(config, *, block: str = "mlp", experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                    ) -> list[tuple[str, tuple[int, ...]]]:
+    """The per-expert on-disk keys and shapes (`save_pretrained`'s original format) of `config`'s model.
+
+    `block`: the MoE block's on-disk name (Mixtral: `block_sparse_moe`); `experts`: the per-expert gate, up and down
+    projection names (Mixtral: `w1`, `w3`, `w2`).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
+    gate, up, down = experts
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     out = []
     for name, tensor in model.state_dict().items():
         shape = tuple(tensor.shape)
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
-            prefix, (experts, two_i, hidden) = name[: -len("gate_up_proj")], shape
-            for e in range(experts):
-                out.append((f"{prefix}{e}.gate_proj.weight", (two_i // 2, hidden)))
-                out.append((f"{prefix}{e}.up_proj.weight", (two_i // 2, hidden)))
-        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
-            prefix, (experts, hidden, inter) = name[: -len("down_proj")], shape
-            out.extend((f"{prefix}{e}.down_proj.weight", (hidden, inter)) for e in range(experts))
+        name = name.replace(".mlp.", f".{block}.")
+        if name.endswith(f"{block}.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            prefix, (n, two_i, hidden) = name[: -len("gate_up_proj")], shape
+            for e in range(n):
+                out.append((f"{prefix}{e}.{gate}.weight", (two_i // 2, hidden)))
+                out.append((f"{prefix}{e}.{up}.weight", (two_i // 2, hidden)))
+        elif name.endswith(f"{block}.experts.down_proj"):  # [E, H, I]
+            prefix, (n, hidden, inter) = name[: -len("down_proj")], shape
+            out.extend((f"{prefix}{e}.{down}.weight", (hidden, inter)) for e in range(n))
         else:
             out.append((name, shape))
     return out

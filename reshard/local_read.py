@@ -296,8 +296,8 @@ def load_local_shards(model, manifest: Manifest, *, checksums: bool = True) -> b
     """Fill every local shard of `model` from this rank's files; every rank must call it.
 
     Returns True when the shards were read here, False when some rank's model does not match the folder's chunks
-    exactly (then every rank returns False and the caller loads with `dcp.load`; own files' CRCs are checked first
-    when `checksums`).
+    exactly (then every rank returns False and the caller loads with `dcp.load`; with `checksums`, the ranks that
+    did not read their files check their CRCs first).
 
     Raises:
         LoadError: on every rank, when any rank's files are missing, truncated or corrupt.
@@ -329,8 +329,8 @@ def load_local_shards(model, manifest: Manifest, *, checksums: bool = True) -> b
         r, why = reasons[0]
         warnings.warn(f"reshard: loading through dcp.load, not from each rank's own files: rank {r}: {why}",
                       stacklevel=2)
-    if checksums:
-        raise_if_any(gather(_own_files_problem(manifest, rank)))
+    if checksums:  # a rank that read its files has checked them already; only the others still need the pass
+        raise_if_any(gather(_own_files_problem(manifest, rank) if reason else None))
     return False
 
 
