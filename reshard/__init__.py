@@ -16,7 +16,7 @@ _EXPORTS = {
     "make_plan": "plan",
     "plan_checkpoint": "api",
     "write_shards": "write",
-    "verify": "verify",
+    "verify": "verification",
     "Manifest": "manifest",
     "read_manifest": "manifest",
     "from_pretrained": "loader",

@@ -14,6 +14,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -23,7 +24,7 @@ SINGLE_NAME = "model.safetensors"
 # safetensors refuses headers over 100 MB; a longer length prefix means a corrupt or foreign file.
 MAX_HEADER_BYTES = 100_000_000
 
-# Bytes per element of every dtype safetensors knows (sub-byte types count in bits below).
+# Bits per element of every dtype safetensors knows; sub-byte ones are known but refused (`check_dtype`).
 DTYPE_BITS = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
     "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
@@ -31,6 +32,16 @@ DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# Non-weight files `write` copies (and fetches from the Hub): config, generation config, tokenizer and chat-template
+# files, docs and licence, at the top level only. Anything else could be a second copy of the weights: a `git clone`
+# of a Hub repo keeps one in `.git/lfs/objects`, many repos add `original/` or `consolidated.*` for other runtimes.
+METADATA_PATTERNS = ("*.json", "*.txt", "*.model", "*.py", "*.jinja", "*.md", "*.tiktoken", "tokenizer*", "vocab*",
+                     "merges*", "LICENSE*", "LICENCE*", "NOTICE*")
+NEVER_COPIED = (".*", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack", "*.onnx",
+                "consolidated.*", "*.index.json")  # an index would name weight files OUT does not hold
+# Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
+HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,8 @@ class CheckpointIndex:
         config: the parsed `config.json` (empty for a bare `.safetensors` file).
         files: the headers, in file-name order.
         tensors: every tensor by on-disk key.
-        other_files: non-weight files to copy as they are (config, tokenizer, ...), relative to root.
+        other_files: top-level non-weight files to copy as they are (config, tokenizer, ...; see
+            `METADATA_PATTERNS`), relative to root.
     """
 
     source: str
@@ -108,6 +120,21 @@ class CheckpointIndex:
         return self.root / file
 
 
+def check_dtype(dtype, *, file: str, name: str) -> None:
+    """Refuse a dtype reshard cannot copy: unknown to safetensors, or packed several elements to a byte.
+
+    A sub-byte element (F4, F6_*) has no byte offset of its own, so a chunk boundary can fall inside a byte and
+    the byte runs `write` copies would not add up to what a header claims.
+    """
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise CheckpointError(f"{file}: entry {name!r} has dtype {dtype!r}, which safetensors does not know "
+                              f"(known: {', '.join(sorted(DTYPE_BITS))}).", path=file)
+    if DTYPE_BITS[dtype] < 8:
+        raise CheckpointError(f"{file}: entry {name!r} has dtype {dtype} ({DTYPE_BITS[dtype]} bits per element); "
+                              "reshard cannot split sub-byte packed tensors. Store it packed in a byte-sized dtype "
+                              "(U8 blocks and scales, as MXFP4 checkpoints do) or dequantize it first.", path=file)
+
+
 def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
     """Parse and validate a safetensors header (the bytes after the 8-byte length prefix).
 
@@ -120,7 +147,8 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
         A `FileHeader` whose tensors are sorted by data offset.
 
     Raises:
-        CheckpointError: malformed JSON, an unknown dtype, offsets that disagree with shapes, overlap, or the size.
+        CheckpointError: malformed JSON, an unknown or sub-byte dtype, offsets that disagree with shapes, overlap,
+            or the size.
     """
     data_start = 8 + len(raw)
     try:
@@ -141,9 +169,7 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: entry {name!r} lacks dtype, shape or data_offsets; the file is corrupt.",
                                   path=file) from e
-        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-            raise CheckpointError(f"{file}: entry {name!r} has dtype {dtype!r}, which safetensors does not know "
-                                  f"(known: {', '.join(sorted(DTYPE_BITS))}).", path=file)
+        check_dtype(dtype, file=file, name=name)
         ints = (*shape, begin, end)
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in ints) or begin > end:
             raise CheckpointError(f"{file}: entry {name!r} has shape {list(shape)} and offsets [{begin}, {end}], "
@@ -190,6 +216,12 @@ def read_header(path: Path, *, name: str | None = None) -> FileHeader:
     except OSError as e:
         raise CheckpointError(f"{name}: cannot read ({e.strerror or e}).", path=str(path)) from e
     return parse_header(raw, file=name, file_size=size)
+
+
+def is_metadata_file(name: str) -> bool:
+    """Whether a top-level file named `name` is copied into a written folder (see `METADATA_PATTERNS`)."""
+    return (any(fnmatchcase(name, p) for p in METADATA_PATTERNS)
+            and not any(fnmatchcase(name, p) for p in NEVER_COPIED))
 
 
 def _inside(root: Path, path: Path) -> bool:
@@ -285,7 +317,9 @@ def read_local(path: Path, *, source: str | None = None, revision: str | None = 
     if index_path.exists():
         names, weight_map = _checked_file_names(path, index_path, link_root)
     else:
-        names = sorted(p.name for p in path.glob("*.safetensors") if not p.name.startswith("shard-"))
+        # `consolidated.safetensors` (Mistral's own format) repeats the weights under other names
+        names = sorted(p.name for p in path.glob("*.safetensors")
+                       if not p.name.startswith(("shard-", "consolidated.")))
         for name in names:
             if not _inside(link_root, path / name):
                 raise CheckpointError(f"{name}: the file is a link out of the checkpoint folder; refusing it.",
@@ -294,12 +328,9 @@ def read_local(path: Path, *, source: str | None = None, revision: str | None = 
         raise CheckpointError(f"{path}: no .safetensors files and no {INDEX_NAME}. Is this a checkpoint folder?",
                               path=str(path))
     headers = [read_header(path / name, name=name) for name in names]
-    weight_names = set(names) | {INDEX_NAME}
-    others = tuple(sorted(
-        str(p.relative_to(path)) for p in path.rglob("*")
-        if p.is_file() and p.name not in weight_names and not p.name.endswith((".safetensors", ".bin", ".pt", ".pth"))
-        and ".cache" not in p.relative_to(path).parts
-    ))
+    weight_names = set(names)
+    others = tuple(sorted(p.name for p in path.iterdir()
+                          if p.name not in weight_names and is_metadata_file(p.name) and p.is_file()))
     return CheckpointIndex(source, revision, path, _read_config(path), tuple(headers),
                            _index_tensors(headers, weight_map, str(path)), others)
 
@@ -338,9 +369,17 @@ def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> Checkpo
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    patterns = None if need_data else ["*.json", "*.txt", "*.model", "*.jinja", "*.py"]
     try:
-        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        # the metadata first (the index among it), then only the weight files the index names: never a repo's
+        # `original/`, `*.pth` or `consolidated.*` copies of the same weights
+        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(METADATA_PATTERNS),
+                                      ignore_patterns=list(HUB_IGNORE)))
+        if need_data:
+            weights = _hub_weight_names(root)
+            pinned = root.name if root.parent.name == "snapshots" else revision  # the commit the index came from
+            ignore = [p for p in HUB_IGNORE if p != "*/*" or not any("/" in w for w in weights)]
+            root = Path(snapshot_download(repo_id, revision=pinned, allow_patterns=[*METADATA_PATTERNS, *weights],
+                                          ignore_patterns=ignore))
     except (LocalEntryNotFoundError, FileNotFoundError) as e:
         hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache" if offline
                 else "it could not be reached and is not in the local cache")
@@ -363,6 +402,21 @@ def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> Checkpo
     return _read_remote_headers(repo_id, revision, root)
 
 
+def _hub_weight_names(root: Path) -> list[str]:
+    """The weight files a Hub snapshot needs: those its index names, or the top-level `*.safetensors` without one.
+
+    An invalid index yields no names; `read_local` then reports it.
+    """
+    if not (root / INDEX_NAME).exists():
+        return ["*.safetensors"]
+    try:
+        weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        names = {name for name in weight_map.values() if isinstance(name, str)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return sorted(re.sub(r"([*?[])", r"[\1]", name) for name in names)  # exact names, not patterns
+
+
 def _read_remote_headers(repo_id: str, revision: str | None, root: Path) -> CheckpointIndex:
     """Headers of Hub files not in the cache, fetched with range requests (no tensor data)."""
     from huggingface_hub import HfApi
@@ -376,6 +430,7 @@ def _read_remote_headers(repo_id: str, revision: str | None, root: Path) -> Chec
     for name, file_meta in sorted(meta.files_metadata.items()):
         entries = []
         for key, info in file_meta.tensors.items():
+            check_dtype(info.dtype, file=name, name=key)
             begin, _ = info.data_offsets
             entries.append(TensorEntry(key, name, info.dtype, tuple(info.shape), begin))
         headers.append(FileHeader(name, None, 0, dict(file_meta.metadata or {}), tuple(entries), ""))

@@ -1,14 +1,18 @@
 """The `reshard` command line: plan, write, verify, demo.
 
 Each command validates its flags, calls one library function and prints a summary (or `--json`). Errors reach
-the user through one boundary (`ReshardGroup.invoke`): a `ReshardError` becomes its message and exit 1, a bad
-call exits 2, `--debug` shows the traceback.
+the user through one boundary (`ReshardGroup.invoke`): a bad call or an impossible mesh (`MeshError`, also one
+found only once the model is known) exits 2 with the usage line, any other `ReshardError` becomes its message and
+exit 1, `--debug` shows the traceback; Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), after cleaning up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import re
+import signal
 import sys
 
 import click
@@ -16,19 +20,55 @@ import click
 from .errors import MeshError, ReshardError
 
 
+@contextlib.contextmanager
+def _signal_as_interrupt(signum: int):
+    """Let `signum` unwind like Ctrl-C (so `finally` blocks clean up), as `KeyboardInterrupt("signal N")`."""
+    def handler(received, frame):
+        raise KeyboardInterrupt(f"signal {received}")
+
+    try:
+        previous = signal.signal(signum, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
+    # SIGTERM handlers (ours, and the one `write` installs while it writes) raise KeyboardInterrupt("signal N");
+    # Ctrl-C raises it bare.
+    match = re.fullmatch(r"signal (\d+)", str(interrupt))
+    if match and int(match[1]) in signal.valid_signals():
+        return signal.Signals(int(match[1]))
+    return signal.SIGINT
+
+
 class ReshardGroup(click.Group):
-    """The single error boundary: domain errors print their message (exit 1) unless --debug."""
+    """The single error boundary: a mesh that cannot be used exits 2 like a bad call, other domain errors print
+    their message (exit 1), unless --debug; interruptions exit 128 + the signal."""
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with _signal_as_interrupt(signal.SIGTERM):
+                return super().invoke(ctx)
+        except MeshError as e:
+            if ctx.params.get("debug"):
+                raise
+            # The mesh flags are the cause: show the command's usage, as click does for a flag it rejects itself.
+            command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            usage_ctx = click.Context(command, info_name=ctx.invoked_subcommand, parent=ctx) if command else ctx
+            raise click.UsageError(str(e), ctx=usage_ctx) from e
         except ReshardError as e:
             if ctx.params.get("debug"):
                 raise
             raise click.ClickException(str(e)) from e
-        except KeyboardInterrupt:
-            click.echo("interrupted; nothing partial was left behind.", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            signum = _interrupting_signal(e)
+            click.echo(f"interrupted ({signum.name}); nothing partial was left behind.", err=True)
+            sys.exit(128 + signum)
 
 
 def mesh_options(func):
@@ -121,8 +161,6 @@ def main() -> None:
 def _parse_size(text: str) -> int:
     units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
              "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
-    import re
-
     m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in units:
         raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000.")
@@ -151,7 +189,8 @@ class SizeType(click.ParamType):
               help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def write(src, out, mesh, mode, revision, max_shard_size, overwrite, quiet):
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
+def write(src, out, mesh, mode, revision, max_shard_size, overwrite, quiet, as_json):
     """Write SRC as per-rank shard files for the mesh into OUT, plus reshard.json.
 
     Every rank gets its own file (replicas share them): a non-empty slice of every tensor, or an explicit empty
@@ -169,6 +208,12 @@ def write(src, out, mesh, mode, revision, max_shard_size, overwrite, quiet):
                                 max_shard_size=max_shard_size, progress=False if quiet else None)
     total = sum(f["bytes"] for f in manifest["files"])
     empty = sum(len(c["empty"]) for c in manifest["coords"])
+    if as_json:
+        click.echo(json.dumps({"out": out, "files": len(manifest["files"]), "bytes": total,
+                               "tensors": len(manifest["tensors"]), "empty_markers": empty,
+                               "layout": manifest["layout"], "mesh": manifest["mesh"],
+                               "distributed_config": manifest["distributed_config"]}, indent=2))
+        return
     click.echo(f"wrote {out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, {len(manifest['tensors'])} "
                f"tensors, {empty} explicit empty marker(s); load with "
                f"{plan_mesh_repr(manifest)} or reshard.from_pretrained({out!r}).")
@@ -185,24 +230,31 @@ def plan_mesh_repr(manifest: dict) -> str:
 @click.option("--against", "against", default=None, help="The source checkpoint: compare every byte with it.")
 @revision_option
 @click.option("--no-checksums", is_flag=True, help="Skip recomputing each file's CRC-32 (faster, less thorough).")
-def verify_command(out, against, revision, no_checksums):
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as a JSON document (also when it fails).")
+def verify_command(out, against, revision, no_checksums, quiet, as_json):
     """Prove OUT complete and exact: files vs manifest, coverage, empty markers; with --against SRC, every byte.
 
-    Prints one line per problem and exits 1 if there is any.
+    Prints one line per problem and exits 1 if there is any. This checks the copying (every byte where the
+    manifest says, equal to the source bytes reshard's key mapping names), not the mapping itself.
 
     \b
     Example:
       reshard verify ./mixtral-fsdp5 --against ./Mixtral-8x7B
     """
-    from .errors import VerifyError
-    from .verify import verify
+    from .verification import check_folder
 
-    try:
-        summary = verify(out, against=against, revision=revision, checksums=not no_checksums)
-    except VerifyError as e:
-        for line in e.problems:
+    summary = check_folder(out, against=against, revision=revision, checksums=not no_checksums,
+                           progress=False if quiet else None)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    problems = summary["problems"]
+    if problems:
+        for line in problems:
             click.echo(f"FAIL {line}", err=True)
-        raise click.ClickException(f"{out}: {len(e.problems)} problem(s).") from e
+        raise click.ClickException(f"{out}: {len(problems)} problem(s).")
+    if as_json:
+        return
     click.echo(f"OK {out}: {summary['files']} files, {summary['tensors']} tensors, {summary['empty_markers']} "
                f"explicit empty marker(s), every tensor covered exactly once"
                + (f", {summary['bytes_compared']} bytes equal to {against}" if against else "") + ".")
@@ -224,3 +276,55 @@ def demo(ranks, keep):
     from .demo import run_demo
 
     run_demo(ranks=ranks, keep=keep, echo=click.echo)
+
+
+def _parse_ranks(text: str) -> list[int]:
+    ranks: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
+            raise click.BadParameter(f"{text!r} is not a rank list like 0-7 or 0,8,16-23.")
+        ranks.update(range(int(first), int(last or first) + 1))
+    return sorted(ranks)
+
+
+class RanksType(click.ParamType):
+    name = "ranks"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            return _parse_ranks(value)
+        except click.BadParameter as e:
+            self.fail(e.message, param, ctx)
+
+
+@cli.command(name="files")
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option("--ranks", type=RanksType(), required=True,
+              help="Global ranks, e.g. 0-7 (one node of 8 GPUs) or 0,8,16-23.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (files, coords, bytes) instead.")
+def files_command(out, ranks, as_json):
+    """List the files RANKS need to load OUT: the manifest, config and tokenizer files, and their shard files.
+
+    Each rank coordinate's files hold everything its ranks load, so a node can load from its own copy of just these
+    files (node-local NVMe instead of a shared file system). Paths are relative to OUT, one per line.
+
+    \b
+    Example (node 1 of an 8-GPU-per-node job):
+      reshard files ./glm-ep8-fsdp64 --ranks 8-15 | rsync -a --files-from=- ./glm-ep8-fsdp64 node1:/nvme/glm
+    """
+    from pathlib import Path
+
+    from .manifest import read_manifest
+
+    manifest = read_manifest(out)
+    names = manifest.files_for_ranks(ranks)
+    if as_json:
+        coords = sorted({manifest.mesh.shard_index(r) for r in ranks})
+        sizes = sum((Path(out) / n).stat().st_size for n in names if (Path(out) / n).is_file())
+        click.echo(json.dumps({"out": str(out), "ranks": ranks, "coords": coords, "files": names, "bytes": sizes},
+                              indent=2))
+    else:
+        click.echo("\n".join(names))

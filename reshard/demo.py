@@ -33,7 +33,7 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
     from .mesh import MeshSpec
     from .report import render_plan
     from .tiny import make_tiny_checkpoint
-    from .verify import verify
+    from .verification import verify
 
     if ranks < 2:
         raise ReshardError("--ranks must be at least 2 for a multi-rank load.")

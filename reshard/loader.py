@@ -1,14 +1,66 @@
-"""`reshard.from_pretrained`: load a reshard folder on every rank of a torchrun job, or whole in one process."""
+"""`reshard.from_pretrained`: load a reshard folder on every rank of a torchrun job, or whole in one process.
+
+Before a distributed load, every check a rank makes (the manifest, the world size, the mesh, its own files) is
+caught and gathered in one collective, so either every rank raises the same `LoadError`, naming each failing rank,
+or every rank loads: no rank can fail alone while the others wait in a collective (under srun or mpirun no agent
+would kill them).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from .errors import LoadError, ReshardError
+from .errors import LoadError, ReshardError, VerifyError
 from .local_read import gather, raise_if_any, torch_dtype
-from .manifest import Manifest, read_manifest
-from .patch import active_manifest, patch_transformers, unpatch_transformers  # noqa: F401  (re-exported)
+from .manifest import MANIFEST_NAME, Manifest, coverage_problems, file_crc32, read_manifest
+from .patch import (active_manifest, install, is_patched, patch_transformers,  # noqa: F401  (re-exported)
+                    uninstall_unless_user, unpatch_transformers)
+
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+_MESH_FIELDS = ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size")
+
+
+def launcher_world_size() -> int | None:
+    """The WORLD_SIZE a launcher (torchrun, or srun/mpirun setting the same variables) gave this process, or None."""
+    if not all(v in os.environ for v in _LAUNCHER_VARIABLES):
+        return None
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        return None
+
+
+def in_distributed_job() -> bool:
+    """True when this process is one rank of a multi-rank job, initializing the default process group from the
+    launcher's environment the way transformers does (nccl bound to LOCAL_RANK on CUDA, gloo on CPU) if needed.
+
+    False (the whole-model path) only when no group exists and there is no launcher environment, or WORLD_SIZE is 1.
+
+    Raises:
+        LoadError: the launcher environment is there but the process group cannot be created.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    world = launcher_world_size()
+    if world is None or world <= 1:
+        return False
+    from transformers.distributed.utils import _ensure_torch_distributed
+
+    try:
+        _ensure_torch_distributed()
+    except OSError as e:
+        raise LoadError(f"RANK/WORLD_SIZE say this is rank {os.environ['RANK']} of {world}, but the process group "
+                        f"could not be created ({e.__cause__ or e}). Check MASTER_ADDR/MASTER_PORT, or call "
+                        "torch.distributed.init_process_group yourself first.") from e
+    return True
+
+
+def has_shard_files(folder: Path) -> bool:
+    """Whether `folder` looks like a distributed checkpoint (shard files by transformers' naming)."""
+    return folder.is_dir() and any(folder.glob("shard-*-model-*-of-*.safetensors"))
 
 
 def _model_class(manifest: Manifest, model_class):
@@ -21,7 +73,7 @@ def _model_class(manifest: Manifest, model_class):
 
 
 def _check_own_files(manifest: Manifest, rank: int) -> str | None:
-    """Check the files this rank reads exist with the size and a valid header; a problem description or None.
+    """Check the files this rank reads exist, are readable, with the size and a valid header; a problem or None.
 
     Their CRC-32 is checked while they are read (`local_read`), not here: that would read them twice.
     """
@@ -30,85 +82,165 @@ def _check_own_files(manifest: Manifest, rank: int) -> str | None:
     sizes = {f["name"]: f["bytes"] for f in manifest.files}
     for name in manifest.files_of_rank(rank):
         path = manifest.path / name
-        if not path.exists():
-            return f"{name} is missing"
-        if path.stat().st_size != sizes[name]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {sizes[name]}"
         try:
-            read_header(path)
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as e:
+            return f"{name} cannot be read ({e.strerror or e})"
+        if size != sizes[name]:
+            return f"{name} has {size} bytes, the manifest says {sizes[name]}"
+        try:
+            read_header(path)  # opens the file: an unreadable one (permissions) fails here
         except ReshardError as e:
             return str(e)
     return None
+
+
+def _config_mismatch(distributed_config, manifest: Manifest) -> str | None:
+    mesh = manifest.mesh
+    given = {k: getattr(distributed_config, k) for k in _MESH_FIELDS}
+    wanted = {"fsdp_size": mesh.fsdp, "ep_size": mesh.ep, "dp_replicate_size": mesh.dp_replicate,
+              "tp_size": mesh.tp, "pp_size": mesh.pp}
+    if given == wanted:
+        return None
+    return (f"distributed_config {given} does not match the mesh {manifest.path} was written for ({wanted}). "
+            f"Pass {mesh.distributed_config_repr()} or omit distributed_config.")
+
+
+def _local_checks(folder: Path, distributed_config, rank: int, world: int, *, require_manifest: bool):
+    """This rank's view before loading: (has a manifest, the manifest or None, a problem or None). Never raises."""
+    if not require_manifest and not (folder / MANIFEST_NAME).is_file():
+        return False, None, None
+    try:
+        manifest = read_manifest(folder)
+    except VerifyError as e:
+        return False, None, "; ".join(e.problems)
+    except Exception as e:  # noqa: BLE001  raising here alone would leave the other ranks in the gather
+        return False, None, f"{MANIFEST_NAME}: {type(e).__name__}: {e}"
+    try:
+        mesh = manifest.mesh
+        if world != mesh.world_size:
+            return True, manifest, (f"{folder} was written for {mesh.world_size} ranks ({mesh.describe()}) but this "
+                                    f"job has {world}. Launch with --nproc-per-node/--nnodes giving "
+                                    f"{mesh.world_size} ranks, or write the checkpoint again for this mesh.")
+        if distributed_config is not None and (mismatch := _config_mismatch(distributed_config, manifest)):
+            return True, manifest, mismatch
+        return True, manifest, _check_own_files(manifest, rank)
+    except Exception as e:  # noqa: BLE001
+        return True, manifest, f"{type(e).__name__}: {e}"
+
+
+def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require_manifest: bool = True):
+    """Make every pre-load check on every rank and agree on the outcome in one collective.
+
+    Args:
+        folder: the folder every rank is about to load.
+        distributed_config: the `DistributedConfig` the caller passed, or None to take the manifest's.
+        require_manifest: a folder without `reshard.json` is an error (`reshard.from_pretrained`); when False
+            (transformers' own `from_pretrained` under the patch), a folder without it on every rank is not a
+            reshard folder and None is returned.
+
+    Returns:
+        (manifest, distributed_config) on every rank, or None when no rank has a manifest and none is required.
+
+    Raises:
+        LoadError: on every rank together, naming each failing rank and its cause.
+    """
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    folder = Path(folder)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    has, manifest, problem = _local_checks(folder, distributed_config, rank, world,
+                                           require_manifest=require_manifest)
+    views = gather((has, problem))
+    if not require_manifest and not any(h for h, _ in views):
+        return None
+    if not require_manifest and not all(h for h, _ in views):
+        views = [(h, p or (None if h else f"{folder / MANIFEST_NAME} is missing on this rank, present on others"))
+                 for h, p in views]
+    raise_if_any([p for _, p in views])
+    if distributed_config is None:
+        distributed_config = DistributedConfig(**manifest.mesh.distributed_config_kwargs())
+    return manifest, distributed_config
 
 
 def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_config=None,
                     check_checksums: bool = True, **kwargs):
     """Load a folder written by `reshard write`.
 
-    In a `torchrun` job (a default process group is initialized), every rank reads only its own files: the mesh
-    comes from the manifest (or `distributed_config`, which must match it), each rank first validates its files
-    and all ranks agree before loading, so a missing or corrupt shard is an error on every rank, not a hang.
-    Without a process group the whole model is assembled in this process (for evaluation or inspection).
+    In a multi-rank job every rank reads only its own files, with the mesh from the manifest (or
+    `distributed_config`, which must match it). The process group is the one you initialized, or, when there is none
+    and the process was started by torchrun (RANK, LOCAL_RANK, WORLD_SIZE > 1 set), one created the way transformers
+    does it. Every rank first checks the manifest, the world size and its own files, and all ranks agree before
+    loading, so a missing or corrupt shard on one rank is an error on every rank, not a hang. With no launcher
+    environment (or WORLD_SIZE 1) the whole model is assembled in this process (for evaluation or inspection).
+
+    The loader patch is installed for the call and removed when it returns, unless you installed it yourself with
+    `reshard.patch_transformers()`.
 
     Args:
         folder: the output of `reshard write`.
         model_class: a transformers model class (default: the architecture recorded in the manifest).
         distributed_config: a `DistributedConfig`; built from the manifest when omitted.
-        check_checksums: verify the CRC-32 of this rank's files (computed over the bytes as they are read).
+        check_checksums: verify the CRC-32 of the files read (computed over the bytes as they are read).
         **kwargs: passed to `model_class.from_pretrained`.
 
     Returns:
         The model.
 
     Raises:
-        LoadError: the world size or mesh does not match the manifest, or some rank's files are bad.
+        LoadError: the world size or mesh does not match the manifest, or some rank's files are bad (on every rank).
 
     Example:
         >>> model = reshard.from_pretrained("glm-ep8-fsdp64")  # doctest: +SKIP  (inside torchrun, 64 ranks)
     """
-    import torch.distributed as dist
-
     folder = Path(folder)
-    manifest = read_manifest(folder)
-    model_class = _model_class(manifest, model_class)
-    patch_transformers()
-    if not (dist.is_available() and dist.is_initialized()):
-        return _load_whole(folder, manifest, model_class, **kwargs)
-
-    from transformers.distributed import DistributedConfig
-
-    mesh = manifest.mesh
-    world = dist.get_world_size()
-    if world != mesh.world_size:
-        raise LoadError(f"{folder} was written for {mesh.world_size} ranks ({mesh.describe()}) but this job has "
-                        f"{world}. Launch with --nproc-per-node/--nnodes giving {mesh.world_size} ranks, or "
-                        f"write the checkpoint again for this mesh.")
-    expected = mesh.distributed_config_kwargs()
-    if distributed_config is None:
-        distributed_config = DistributedConfig(**expected)
-    else:
-        given = {k: getattr(distributed_config, k) for k in ("fsdp_size", "ep_size", "dp_replicate_size",
-                                                               "tp_size", "pp_size")}
-        wanted = {"fsdp_size": mesh.fsdp, "ep_size": mesh.ep, "dp_replicate_size": mesh.dp_replicate,
-                  "tp_size": mesh.tp, "pp_size": mesh.pp}
-        if given != wanted:
-            raise LoadError(f"distributed_config {given} does not match the mesh {folder} was written for "
-                            f"({wanted}). Pass {mesh.distributed_config_repr()} or omit distributed_config.")
-    raise_if_any(gather(_check_own_files(manifest, dist.get_rank())))
-    with active_manifest(manifest.data, checksums=check_checksums):
-        return model_class.from_pretrained(folder, distributed_config=distributed_config, **kwargs)
+    installed_here = install()
+    try:
+        if not in_distributed_job():
+            manifest = read_manifest(folder)
+            return _load_whole(folder, manifest, _model_class(manifest, model_class),
+                               check_checksums=check_checksums, **kwargs)
+        manifest, distributed_config = agree_to_load(folder, distributed_config)
+        with active_manifest(manifest.data, checksums=check_checksums):
+            return _model_class(manifest, model_class).from_pretrained(
+                folder, distributed_config=distributed_config, **kwargs)
+    finally:
+        if installed_here:
+            uninstall_unless_user()
 
 
-def assemble_state_dict(folder: str | os.PathLike) -> dict:
+def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = True) -> dict:
     """Full tensors from a reshard folder, in one process: each chunk placed at its offsets.
 
+    Before any tensor is built, the chunks the manifest lists must cover every tensor exactly (a gap would otherwise
+    be uninitialized memory) and, with `check_checksums`, every file must match its CRC-32.
+
     Raises:
-        VerifyError: the manifest is missing or unreadable.
+        LoadError: the manifest is missing or unreadable, a tensor is not covered, or a file is missing or corrupt.
     """
     import torch
     from safetensors import safe_open
 
-    manifest = read_manifest(folder)
+    try:
+        manifest = read_manifest(folder)
+    except VerifyError as e:
+        raise LoadError("; ".join(e.problems)) from e
+    problems = coverage_problems(manifest.data)
+    expected = {f["name"]: f["crc32"] for f in manifest.files}
+    for entry in manifest.files:
+        path = manifest.path / entry["name"]
+        try:
+            if check_checksums and (crc := file_crc32(path)) != expected[entry["name"]]:
+                problems.append(f"{entry['name']} is corrupt (CRC-32 {crc}, the manifest says "
+                                f"{expected[entry['name']]})")
+        except OSError as e:
+            problems.append(f"{entry['name']} cannot be read ({e.strerror or e})")
+    if problems:
+        raise LoadError(f"{manifest.path} cannot be loaded: {'; '.join(problems)}. Run `reshard verify` on it, or "
+                        "write it again.")
     out = {}
     for name, info in manifest.data["tensors"].items():
         dtype = torch_dtype(info["dtype"])
@@ -125,9 +257,10 @@ def assemble_state_dict(folder: str | os.PathLike) -> dict:
     return out
 
 
-def _load_whole(folder: Path, manifest: Manifest, model_class, **kwargs):
+def _load_whole(folder: Path, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):
     from transformers import AutoConfig
 
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(folder)
+    state_dict = assemble_state_dict(folder, check_checksums=check_checksums)
     with active_manifest(manifest.data):
-        return model_class.from_pretrained(None, config=config, state_dict=assemble_state_dict(folder), **kwargs)
+        return model_class.from_pretrained(None, config=config, state_dict=state_dict, **kwargs)

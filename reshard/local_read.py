@@ -283,12 +283,30 @@ def gather(value) -> list:
     return values
 
 
+def _rank_list(ranks: list[int]) -> str:
+    """`[0, 1, 2, 5]` -> `ranks 0-2, 5`."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
 def raise_if_any(problems: list) -> None:
-    """Raise LoadError, naming every failing rank, when any rank's entry is a problem."""
-    failed = [(r, p) for r, p in enumerate(problems) if p]
+    """Raise LoadError, naming every failing rank, when any rank's entry is a problem (identical ones grouped)."""
+    failed: dict[str, list[int]] = {}
+    for r, p in enumerate(problems):
+        if p:
+            failed.setdefault(p, []).append(r)
+    if len(failed) == 1 and len(next(iter(failed.values()))) == len(problems):
+        raise LoadError(next(iter(failed)))  # the same on every rank (a world size or mesh mismatch): say it once
     if failed:
-        detail = "; ".join(f"rank {r}: {p}" for r, p in failed)
-        raise LoadError(f"{len(failed)} rank(s) cannot load their shard ({detail}). Every rank stops here. "
+        count = sum(len(ranks) for ranks in failed.values())
+        detail = "; ".join(f"{_rank_list(ranks)}: {p}" for p, ranks in failed.items())
+        raise LoadError(f"{count} of {len(problems)} rank(s) cannot load ({detail}). Every rank stops here. "
                         "Run `reshard verify` on the folder, or write it again.")
 
 

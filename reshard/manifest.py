@@ -10,12 +10,15 @@ constants here, pinned by a golden test.
 An empty local shard is written as an explicit zero-size tensor whose offset is the dim's size (torch's
 convention for empty shards) and listed in the manifest's `empty` per coordinate: nothing is silently missing.
 
-Persistent buffers are not sharded by FSDP: they are written once, in coordinate 1's first file.
+Replicated tensors (persistent buffers such as `e_score_correction_bias`, which FSDP does not shard) are written
+whole into every coordinate's first file, so each coordinate's files hold everything its ranks load: they can be
+copied to node-local disks on their own (`reshard files`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +76,22 @@ class Manifest:
     def empty_of_rank(self, rank: int) -> list[str]:
         return list(self.data["coords"][self.mesh.shard_index(rank)]["empty"])
 
+    def files_for_ranks(self, ranks) -> list[str]:
+        """Every file the ranks `ranks` need to load, relative to the folder: the manifest, the copied non-weight
+        files (config, tokenizer, ...) and each rank's shard files, in that order.
+
+        Raises:
+            MeshError: a rank outside the mesh.
+        """
+        shard_names = {f["name"] for f in self.files}
+        copied = self.data.get("copied")
+        if copied is None:  # a manifest from before `copied` was recorded: every other file in the folder
+            copied = sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*")
+                            if p.is_file() and p.name != MANIFEST_NAME and p.name not in shard_names)
+        coords = sorted({self.mesh.shard_index(r) for r in ranks})
+        shards = [f["name"] for c in coords for f in self.files if f["coord"] == c]
+        return [MANIFEST_NAME, *copied, *shards]
+
 
 def read_manifest(folder: str | Path) -> Manifest:
     """Read and sanity-check `reshard.json` in `folder`.
@@ -93,6 +112,45 @@ def read_manifest(folder: str | Path) -> Manifest:
         raise VerifyError([f"{path}: format {data.get('format')!r} version {data.get('version')!r}; this reshard "
                            f"reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}."])
     return Manifest(data, folder)
+
+
+def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
+    """Whether distinct `(offset, length)` intervals tile `[0, size)` exactly once."""
+    cursor = 0
+    for offset, length in sorted(intervals):
+        if offset != cursor:
+            return False
+        cursor += length
+    return cursor == size
+
+
+def coverage_problems(data: dict) -> list[str]:
+    """Tensors the manifest's non-empty chunks do not tile exactly once; pure, O(chunks log chunks).
+
+    Every layout reshard writes is a grid (each dim split on its own), so a tensor is covered exactly when, on every
+    dim, the distinct chunk intervals tile the dim, and the distinct chunks are all the cells of that grid. Identical
+    chunks are allowed only for replicated tensors (a full copy in every coordinate).
+    """
+    boxes: dict[str, list[tuple]] = {name: [] for name in data["tensors"]}
+    for entry in data["files"]:
+        for name, info in entry["tensors"].items():
+            if name in boxes and 0 not in info["shape"]:
+                boxes[name].append(tuple(zip(info["offsets"], info["shape"])))
+    problems = []
+    for name, info in data["tensors"].items():
+        shape, found = info["shape"], boxes[name]
+        distinct = set(found)
+        if len(distinct) != len(found) and info["placement"]["kind"] != "replicated":
+            problems.append(f"{name}: a chunk is stored twice")
+        if 0 in shape:
+            continue  # nothing to cover
+        per_dim = [sorted({box[d] for box in distinct}) for d in range(len(shape))]
+        cells = math.prod(len(intervals) for intervals in per_dim)
+        if (not distinct or any(not _tiles(iv, n) for iv, n in zip(per_dim, shape)) or len(distinct) != cells):
+            covered = sum(math.prod(n for _, n in box) for box in distinct)
+            problems.append(f"{name}: the chunks do not tile the tensor {list(shape)} exactly once "
+                            f"({covered} of {math.prod(shape)} elements in {len(distinct)} distinct chunk(s))")
+    return problems
 
 
 def file_crc32(path: str | Path) -> str:

@@ -1,11 +1,13 @@
-"""Meta-device materialization that leaves real tensors alone.
+"""Meta-device materialization that keeps the values of real tensors.
 
 `torch.nn.Module.to_empty(device=...)` replaces *every* parameter and buffer with uninitialized memory, including
 buffers a model deliberately created off the meta device (a router's zero-filled `expert_bias` made with an explicit
 `device=` inside `with torch.device("meta"):`). `reset_parameters()` / `init_weights()` usually re-initialize only
 parameters, so such a buffer keeps whatever the allocator had there: garbage, often NaN on a reused CUDA block.
 
-`materialize_meta_` allocates only tensors that are actually on the meta device. `meta_only_to_empty` and
+`materialize_meta_` allocates only tensors that are actually on the meta device, and moves a real tensor that sits on
+another device (a buffer made on the CPU, then `to_empty(device="cuda")`) to the target with its values, as
+`nn.Module.to` would; tensors already on the target stay the same objects. `meta_only_to_empty` and
 `patch_to_empty` swap it in for `nn.Module.to_empty` so that third-party code calling `to_empty` (megatron-fsdp's meta
 init, FSDP2 recipes, torchtitan) gets the same behaviour; `patch_megatron_fsdp` does that after a version check, and
 `check_buffers` finds the damage when it already happened.
@@ -51,18 +53,25 @@ class MaterializeReport:
 
     Attributes:
         materialized: names of meta tensors that were given (uninitialized) storage on the target device.
-        kept: names of tensors that were not on the meta device and were left exactly as they were.
+        kept: names of real tensors already on the target device, left exactly as they were (same objects).
+        moved: names of real tensors that were on another device and were copied to the target device, values
+            kept (a parameter keeps its class, `requires_grad` and attributes).
     """
 
     materialized: tuple[str, ...]
     kept: tuple[str, ...]
+    moved: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        def listed(names: tuple[str, ...]) -> str:
+            more = f", ... ({len(names) - 8} more)" if len(names) > 8 else ""
+            return ", ".join(names[:8]) + more
+
         text = f"materialized {len(self.materialized)} meta tensor(s), kept {len(self.kept)} non-meta tensor(s)"
         if self.kept:
-            shown = ", ".join(self.kept[:8])
-            more = f", ... ({len(self.kept) - 8} more)" if len(self.kept) > 8 else ""
-            text += f" (kept: {shown}{more})"
+            text += f" (kept: {listed(self.kept)})"
+        if self.moved:
+            text += f", moved {len(self.moved)} to the target device with their values ({listed(self.moved)})"
         return text
 
 
@@ -83,33 +92,81 @@ def _new_parameter(old: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return new
 
 
-def _materialize_parameter(old: torch.Tensor, device: torch.device | str | int) -> torch.Tensor:
-    with torch.no_grad():
-        data = torch.empty_like(old, device=device)
-    grad = old.grad
+def _current_index(device_type: str) -> int:
+    """The device index a bare `device_type` (e.g. `"cuda"`) allocates on now, as `torch.empty(device=...)` does."""
+    if device_type == "cuda":
+        return torch.cuda.current_device()
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available() and accelerator.current_accelerator().type == device_type:
+        return accelerator.current_device_index()
+    return 0  # cpu, meta and single-device types
+
+
+def _same_device(tensor_device: torch.device, target: torch.device | str | int) -> bool:
+    """Whether a tensor on `tensor_device` already lives where `to_empty(device=target)` would put it.
+
+    `"cuda"` (no index) means the current CUDA device, so a tensor on `cuda:0` is there while device 0 is current and
+    elsewhere after `torch.cuda.set_device(1)`. A CPU tensor's device has no index: `"cpu"` and `"cpu:0"` are one
+    device. An int is what `torch.device(int)` makes of it (the current accelerator's device of that index).
+    """
+    target = torch.device(target)
+    if tensor_device.type != target.type:
+        return False
+    if tensor_device.index == target.index:
+        return True
+    if tensor_device.index is not None and target.index is not None:
+        return False
+    current = _current_index(target.type)  # one side has no index: it means the current device
+    return (current if tensor_device.index is None else tensor_device.index) == (
+        current if target.index is None else target.index)
+
+
+def _replace_parameter(old: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    """`old`'s replacement holding `data` (and `grad`), or `old` itself with the new contents swapped in."""
     new = _new_parameter(old, data)
     if grad is not None:
-        new.grad = torch.empty_like(grad, device=device) if grad.is_meta else grad
+        new.grad = grad
     # Wrapper subclasses (DTensor under FSDP2) are owned by objects that keep a reference to the parameter, so, like
     # nn.Module._apply, swap the new contents into the old object instead of replacing it; honour torch's opt-in too.
     if is_traceable_wrapper_subclass(data) or torch.__future__.get_swap_module_params_on_conversion():
-        if grad is not None:
+        if old.grad is not None:
             old.grad = None  # an accessed .grad holds a second reference, which swap_tensors refuses
         torch.utils.swap_tensors(old, new)
         return old
     return new
 
 
+def _materialize_parameter(old: torch.Tensor, device: torch.device | str | int) -> torch.Tensor:
+    with torch.no_grad():
+        data = torch.empty_like(old, device=device)
+    grad = old.grad
+    if grad is not None and grad.is_meta:
+        grad = torch.empty_like(grad, device=device)
+    return _replace_parameter(old, data, grad)
+
+
+def _move_parameter(old: torch.Tensor, device: torch.device | str | int) -> torch.Tensor:
+    # A move between devices copies anyway; copy=True makes that explicit, so the source is never aliased.
+    with torch.no_grad():
+        data = old.detach().to(device, copy=True)
+    grad = old.grad
+    if grad is not None:
+        grad = torch.empty_like(grad, device=device) if grad.is_meta else grad.to(device)
+    return _replace_parameter(old, data, grad)
+
+
 def materialize_meta_(
     module: nn.Module, device: torch.device | str | int, *, recurse: bool = True
 ) -> MaterializeReport:
-    """Give storage on `device` to the meta tensors of `module`, in place, leaving every other tensor untouched.
+    """Give storage on `device` to the meta tensors of `module`, in place, keeping the values of every other tensor.
 
     A drop-in for `module.to_empty(device=device, recurse=recurse)` that does not clobber parameters or buffers
     created off the meta device on purpose (for example a zero-filled router `expert_bias` made with an explicit
     `device=` inside `with torch.device("meta"):`). Differences from `to_empty`, all deliberate:
 
-    - non-meta tensors stay the same object with the same values;
+    - a non-meta tensor already on `device` stays the same object with the same values;
+    - a non-meta tensor on another device (a buffer made on the CPU, then `to_empty(device="cuda")`) is copied to
+      `device` with its values, as `module.to(device)` would, so every tensor ends on `device`;
     - a parameter registered in several places (tied weights) is materialized once and stays shared;
     - a parameter keeps its class (`nn.Parameter` subclass), `requires_grad` and Python attributes.
 
@@ -117,12 +174,13 @@ def materialize_meta_(
 
     Args:
         module: the module to materialize in place.
-        device: where the meta tensors get their storage, e.g. `"cpu"`, `"cuda:0"`, `torch.device("cuda", 1)`.
+        device: where every tensor ends, e.g. `"cpu"`, `"cuda:0"`, `torch.device("cuda", 1)`; `"cuda"` means the
+            current CUDA device.
         recurse: when False, only the module's own parameters and buffers are handled, not its submodules'
             (the meaning of `to_empty(recurse=False)`).
 
     Returns:
-        A `MaterializeReport` naming the tensors that were materialized and the ones that were kept.
+        A `MaterializeReport` naming the tensors that were materialized, kept, and moved.
 
     Example:
 
@@ -145,6 +203,7 @@ def materialize_meta_(
     memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     materialized: list[str] = []
     kept: list[str] = []
+    moved: list[str] = []
     for prefix, mod in modules:
         for slots, is_param in ((mod._parameters, True), (mod._buffers, False)):
             for key, tensor in slots.items():
@@ -154,18 +213,22 @@ def materialize_meta_(
                     slots[key] = memo[id(tensor)][1]
                     continue
                 name = f"{prefix}.{key}" if prefix else key
-                if not tensor.is_meta:
+                if tensor.is_meta:
+                    if is_param:
+                        new = _materialize_parameter(tensor, device)
+                    else:
+                        new = torch.empty_like(tensor, device=device)
+                    materialized.append(name)
+                elif _same_device(tensor.device, device):
                     memo[id(tensor)] = (tensor, tensor)
                     kept.append(name)
                     continue
-                if is_param:
-                    new = _materialize_parameter(tensor, device)
                 else:
-                    new = torch.empty_like(tensor, device=device)
+                    new = _move_parameter(tensor, device) if is_param else tensor.to(device, copy=True)
+                    moved.append(name)
                 memo[id(tensor)] = (tensor, new)
                 slots[key] = new
-                materialized.append(name)
-    return MaterializeReport(materialized=tuple(materialized), kept=tuple(kept))
+    return MaterializeReport(materialized=tuple(materialized), kept=tuple(kept), moved=tuple(moved))
 
 
 # --- making nn.Module.to_empty meta-only -----------------------------------------------------------------------------
@@ -179,7 +242,8 @@ _original_to_empty = None  # what nn.Module.to_empty was before we installed our
 def _meta_only_to_empty(self: nn.Module, *, device: torch.device | str | int | None, recurse: bool = True) -> nn.Module:
     """Meta-only `nn.Module.to_empty`, installed by reshard: only meta tensors are reallocated on `device`.
 
-    Tensors that already have storage are kept as they are; see `reshard.materialize.materialize_meta_`.
+    Tensors that already have storage keep their values: left as they are on `device`, copied there from another
+    device; see `reshard.materialize.materialize_meta_`.
     """
     if device is None:
         # Stock to_empty(device=None) reallocates each tensor on its own device: meta stays meta, so with real
@@ -218,9 +282,10 @@ def meta_only_to_empty() -> Iterator[None]:
     """Make `torch.nn.Module.to_empty` meta-only for the duration of the block.
 
     Inside the block every `module.to_empty(device=..., recurse=...)` call, including ones made by libraries,
-    behaves like `materialize_meta_`: only meta tensors get new storage, and the module is returned. The original
-    method is restored on exit, also when the block raises. Blocks may nest, also across threads; the method is
-    restored when the outermost one exits (and stays patched if `patch_to_empty()` is in force).
+    behaves like `materialize_meta_`: only meta tensors get new (uninitialized) storage, real tensors keep their
+    values (moved to `device` when they are elsewhere), and the module is returned. The original method is
+    restored on exit, also when the block raises. Blocks may nest, also across threads; the method is restored
+    when the outermost one exits (and stays patched if `patch_to_empty()` is in force).
 
     The patch is process-wide: other threads calling `to_empty` while a block is open get the meta-only version.
 

@@ -41,6 +41,7 @@ _dcp_path: contextvars.ContextVar[bool] = contextvars.ContextVar("reshard_dcp_pa
 
 _lock = threading.Lock()
 _originals: dict[tuple[object, str], object] = {}
+_user_installed = False  # patch_transformers() was called: reshard.from_pretrained leaves the hooks in place
 
 
 def _check_version():
@@ -63,45 +64,65 @@ def is_patched() -> bool:
 
 
 def patch_transformers() -> "_Unpatch":
-    """Install reshard's fixes into transformers (idempotent). Returns a context manager that undoes them.
+    """Install reshard's fixes into transformers (idempotent) until `unpatch_transformers()`. Returns a context manager
+    that undoes them.
 
-    After it, `AutoModelForCausalLM.from_pretrained(OUT, distributed_config=DistributedConfig(...))` loads a
-    reshard folder with balanced placement, empty locals handled, and only meta tensors materialized.
+    After it, `AutoModelForCausalLM.from_pretrained(OUT)` loads a reshard folder with balanced placement, empty
+    locals handled and only meta tensors materialized; in a torchrun job with no `distributed_config` it uses the
+    manifest's mesh (creating the process group the way transformers does), and every rank checks its files and
+    agrees with the others before loading.
 
     Raises:
         ReshardError: the installed transformers is not the 5.23 series.
 
     Example:
         >>> with reshard.patch_transformers():  # doctest: +SKIP
-        ...     model = AutoModelForCausalLM.from_pretrained(out, distributed_config=config)
+        ...     model = AutoModelForCausalLM.from_pretrained(out)
     """
+    global _user_installed
+    install()
+    _user_installed = True
+    return _Unpatch()
+
+
+def install() -> bool:
+    """Install the hooks (idempotent); True when this call installed them. `patch_transformers` is the public way."""
     _check_version()
     with _lock:
-        if not _originals:
-            import transformers.core_model_loading as cml
-            import transformers.distributed.fsdp as fsdp
-            import transformers.distributed.mixin as mixin
-            import transformers.modeling_utils as mu
+        if _originals:
+            return False
+        import transformers.core_model_loading as cml
+        import transformers.distributed.fsdp as fsdp
+        import transformers.distributed.mixin as mixin
+        import transformers.modeling_utils as mu
 
-            _set(fsdp, "fully_shard", _wrap_fully_shard(fsdp.__dict__["fully_shard"]))
-            _set(mixin, "apply_fully_sharded_data_parallelism",
-                 _wrap_apply_fsdp(mixin.__dict__["apply_fully_sharded_data_parallelism"]))
-            for cls in (cml.WeightConverter, cml.WeightRenaming):
-                _set(cls, "convert", _wrap_convert(cls.__dict__["convert"]))
-            _set(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device", _move_only_meta_to_device)
-            _set(mixin, "_load_model_checkpoint_distributed",
-                 _wrap_load_distributed(mixin.__dict__["_load_model_checkpoint_distributed"]))
-            _set(mu, "get_model_conversion_mapping", _wrap_conversion_mapping(mu.__dict__["get_model_conversion_mapping"]))
-            _set(mu.PreTrainedModel, "from_pretrained", _wrap_from_pretrained(mu.PreTrainedModel.__dict__["from_pretrained"]))
-    return _Unpatch()
+        _set(fsdp, "fully_shard", _wrap_fully_shard(fsdp.__dict__["fully_shard"]))
+        _set(mixin, "apply_fully_sharded_data_parallelism",
+             _wrap_apply_fsdp(mixin.__dict__["apply_fully_sharded_data_parallelism"]))
+        for cls in (cml.WeightConverter, cml.WeightRenaming):
+            _set(cls, "convert", _wrap_convert(cls.__dict__["convert"]))
+        _set(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device", _move_only_meta_to_device)
+        _set(mixin, "_load_model_checkpoint_distributed",
+             _wrap_load_distributed(mixin.__dict__["_load_model_checkpoint_distributed"]))
+        _set(mu, "get_model_conversion_mapping", _wrap_conversion_mapping(mu.__dict__["get_model_conversion_mapping"]))
+        _set(mu.PreTrainedModel, "from_pretrained", _wrap_from_pretrained(mu.PreTrainedModel.__dict__["from_pretrained"]))
+        return True
+
+
+def uninstall_unless_user() -> None:
+    """Remove the hooks unless the user installed them with `patch_transformers()` (then they stay)."""
+    if not _user_installed:
+        unpatch_transformers()
 
 
 def unpatch_transformers() -> None:
     """Restore every function `patch_transformers` replaced (idempotent)."""
+    global _user_installed
     with _lock:
         for (owner, name), original in _originals.items():
             setattr(owner, name, original)
         _originals.clear()
+        _user_installed = False
 
 
 class _Unpatch:
@@ -206,29 +227,41 @@ def _is_meta(tensor) -> bool:
 
 
 def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_quantizer):
-    """`PreTrainedModel._move_missing_keys_from_meta_to_device`, leaving tensors that are not on meta untouched."""
+    """`PreTrainedModel._move_missing_keys_from_meta_to_device`, keeping the values of tensors that are not on meta:
+    one already on its target device stays untouched, one elsewhere (a buffer made on the CPU on purpose while the
+    model loads onto a GPU) is moved there with its values."""
     import torch
     import transformers.modeling_utils as mu
+
+    from .materialize import _same_device
 
     original = _originals[(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device")]
     if (mu.is_deepspeed_zero3_enabled() and hf_quantizer is None) or (
             mu.is_fsdp_enabled() and not mu.is_local_dist_rank_0() and hf_quantizer is None):
         return original(self, missing_keys, device_map, device_mesh, hf_quantizer)
     tied = set(self.all_tied_weights_keys.keys())
-    for key in set(missing_keys) - tied:
-        param = self.get_parameter_or_buffer(key)
-        if not _is_meta(param):
-            continue
+
+    def place(key, tensor, make_empty):
         device = mu.get_device(device_map, key, valid_torch_device=True)
-        value = torch.empty_like(param, device=device)
+        if not _is_meta(tensor):
+            if not mu.is_dtensor(tensor) and not _same_device(tensor.device, device):
+                moved = tensor.to(device)
+                if isinstance(tensor, torch.nn.Parameter):
+                    moved = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+                mu._load_parameter_into_model(self, key, moved)
+            return
+        mu._load_parameter_into_model(self, key, make_empty(tensor, device))
+
+    def empty_param(param, device):
         if mu.is_dtensor(param):
             local = torch.empty(param._local_tensor.shape, dtype=param.dtype, device=device)
-            value = torch.nn.Parameter(mu._dtensor_from_local_like(local, param), requires_grad=param.requires_grad)
-        mu._load_parameter_into_model(self, key, value)
+            return torch.nn.Parameter(mu._dtensor_from_local_like(local, param), requires_grad=param.requires_grad)
+        return torch.empty_like(param, device=device)
+
+    for key in set(missing_keys) - tied:
+        place(key, self.get_parameter_or_buffer(key), empty_param)
     for key, buffer in self.named_non_persistent_buffers():
-        if _is_meta(buffer):
-            device = mu.get_device(device_map, key, valid_torch_device=True)
-            mu._load_parameter_into_model(self, key, torch.empty_like(buffer, device=device))
+        place(key, buffer, lambda t, device: torch.empty_like(t, device=device))
 
 
 # ---- 4. own-file reads on the distributed-checkpoint path -------------------------------------------------------
@@ -274,23 +307,26 @@ def _wrap_from_pretrained(original):
 
     @functools.wraps(func)
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
+        from pathlib import Path
+
         from .manifest import MANIFEST_NAME
 
-        path = None if pretrained_model_name_or_path is None else \
-            os.path.join(os.fspath(pretrained_model_name_or_path), MANIFEST_NAME)
-        if path is None or not os.path.isfile(path):
+        folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
+        manifest = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
+        direct = all(kwargs.get(k) is None for k in ("state_dict", "gguf_file")) and not kwargs.get("subfolder")
+        if manifest is None and folder is not None and direct and _multi_rank(kwargs) and _is_candidate(folder):
+            manifest, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"))
+        if manifest is None and folder is not None and (folder / MANIFEST_NAME).is_file():
+            with open(folder / MANIFEST_NAME) as f:
+                manifest = json.load(f)
+        if manifest is None:
             token = _dcp_path.set(False)  # a checkpoint loaded inside a reshard load is an ordinary one
             try:
                 return func(cls, pretrained_model_name_or_path, *args, **kwargs)
             finally:
                 _dcp_path.reset(token)
-        manifest = _active_manifest.get()  # set by reshard.from_pretrained, which has read it already
-        if manifest is None:
-            with open(path) as f:
-                manifest = json.load(f)
         # transformers takes its distributed-checkpoint path for a folder of shard files unless these are given.
-        dcp_token = _dcp_path.set(all(kwargs.get(k) is None for k in ("state_dict", "gguf_file"))
-                                  and not kwargs.get("subfolder"))
+        dcp_token = _dcp_path.set(direct)
         try:
             with active_manifest(manifest):
                 return func(cls, pretrained_model_name_or_path, *args, **kwargs)
@@ -298,3 +334,34 @@ def _wrap_from_pretrained(original):
             _dcp_path.reset(dcp_token)
 
     return classmethod(from_pretrained)
+
+
+def _multi_rank(kwargs) -> bool:
+    """This call runs in a multi-rank job: a process group exists, or a launcher set WORLD_SIZE > 1."""
+    import torch.distributed as dist
+
+    from .loader import launcher_world_size
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    return (launcher_world_size() or 1) > 1
+
+
+def _is_candidate(folder) -> bool:
+    """A local folder that is, or may be on other ranks, a reshard folder: all ranks must then agree on it."""
+    from .loader import has_shard_files
+    from .manifest import MANIFEST_NAME
+
+    return (folder / MANIFEST_NAME).is_file() or has_shard_files(folder)
+
+
+def _agree(folder, distributed_config):
+    """The agreed (manifest document, DistributedConfig) for a reshard folder, or (None, the config given)."""
+    from .loader import agree_to_load, in_distributed_job
+
+    in_distributed_job()  # create the process group from the launcher's environment, as transformers would
+    agreed = agree_to_load(folder, distributed_config, require_manifest=False)
+    if agreed is None:
+        return None, distributed_config
+    manifest, config = agreed
+    return manifest.data, config

@@ -4,19 +4,27 @@ No tensor is ever materialized: each output chunk is a list of byte runs copied 
 a stretch that is contiguous both in the source tensor and in the output chunk), so gate and up rows are fused
 into `gate_up_proj`, and a chunk split on dim 1 is gathered, by copying bytes. Peak memory is one copy buffer.
 Files are written into a temporary folder beside OUT, fsynced, the manifest written last, and the folder renamed
-into place; any failure or interruption removes the temporary folder.
+into place; any failure or interruption removes the temporary folder. One write at a time holds a lock beside OUT;
+an existing OUT is replaced only when it is empty or a reshard output, by an atomic exchange, so OUT is the whole
+old or the whole new folder at every instant.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
+import functools
+import glob
 import itertools
 import json
 import math
 import os
 import shutil
 import signal
+import socket
 import struct
+import sys
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,14 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry
+from .checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry, is_metadata_file
 from .errors import OutputError
 from .layout import TargetTensor
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest, shard_file_name
 from .plan import Box, Kind, ReshardPlan, box_is_empty
 
 COPY_BUFFER_BYTES = 1 << 20  # 1 MiB: measured as fast as `cp` in the fallback loop; 16 MiB was 2.5x slower
-TMP_MARK = ".reshard-tmp-"
+TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
+LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
 
 
 @dataclass(frozen=True)
@@ -109,12 +118,10 @@ class ChunkSpec:
 
 
 def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, TargetTensor, Box]]:
-    """What fsdp coordinate `coord` stores: a chunk or an empty marker of every sharded tensor, and the
-    replicated tensors when `coord` is 0."""
+    """What fsdp coordinate `coord` stores: a chunk or an empty marker of every sharded tensor, and a whole copy of
+    every replicated tensor (a persistent buffer), so each coordinate's files hold everything its ranks load."""
     out = []
     for tp in plan.tensors:
-        if tp.planned.kind is Kind.REPLICATED and coord != 0:
-            continue
         box = tp.boxes(plan.mesh)[coord] if tp.planned.kind is not Kind.REPLICATED else tuple(
             (0, n) for n in tp.tensor.shape)
         shape = tuple(length for _, length in box)
@@ -261,16 +268,132 @@ def _fsync_files(folder: Path) -> None:
                 os.close(fd)
 
 
+def _swap_hook(step: str) -> None:
+    """Called at each step of putting the finished folder in place; tests replace it to interrupt there.
+
+    Steps: `before-swap`, `old-moved` (rename fallback only: OUT is aside, signals are held), `swapped` (OUT is the
+    new folder, the old one not yet removed), `done`.
+    """
+
+
+def _temporaries(out: Path) -> list[Path]:
+    # escaped: an OUT named `m*` must not match the temporaries of another OUT's write
+    return sorted(out.parent.glob(f".{glob.escape(out.name)}{TMP_MARK}*"))
+
+
+def _aside_path(out: Path) -> Path:
+    return out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+
+
 def _clean_stale_temporaries(out: Path) -> None:
-    """Remove temporaries of earlier writes to `out` whose process is gone (e.g. killed with SIGKILL)."""
-    for tmp in out.parent.glob(f".{out.name}{TMP_MARK}*"):
+    """Under the write lock: put back an OUT a killed swap left aside, then remove every earlier temporary.
+
+    Holding the lock proves their writers are gone (a live writer holds it, on any host), which a pid check cannot
+    tell on a shared file system.
+    """
+    stale = _temporaries(out)
+    aside = [p for p in stale if p.name.startswith(f".{out.name}{TMP_MARK}old-")]
+    if aside and not os.path.lexists(out):  # killed between the two renames of the fallback swap
+        os.rename(aside[0], out)
+        _fsync_dir(out.parent)
+        stale.remove(aside[0])
+    for tmp in stale:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _write_lock(out: Path):
+    """Hold `.OUT.reshard-lock` (flock, released by the kernel when the process dies) for the whole write.
+
+    Raises:
+        OutputError: another write to `out` holds it (naming its host and pid), or no lock can be taken there.
+    """
+    path = out.parent / f".{out.name}{LOCK_MARK}"
+    while True:
         try:
-            pid = int(tmp.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, PermissionError):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot create the write lock beside {out.name} ({e.strerror or e}); "
+                              "choose a folder you can write to.") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise OutputError(f"{path}: cannot lock it ({e.strerror or e}); this file system does not support "
+                                  "file locks. Write to another one.") from e
+            who = f" (host {holder[0]}, pid {holder[1]})" if len(holder) == 2 else ""
+            raise OutputError(f"another reshard write{who} is writing {out}; wait for it to finish, or stop it, "
+                              "then run this again. Nothing was changed.") from e
+        try:  # its last holder may have removed the file between our open and flock: lock the one at `path`
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
             pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        try:
+            os.unlink(path)  # still locked: a writer that opened it meanwhile sees it gone and retries
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _refuse_source_overlap(out: Path, index: CheckpointIndex) -> None:
+    """Refuse an OUT that is the source or holds any of its files: replacing OUT would delete them."""
+    for path in [index.root, *(index.path_of(f.name) for f in index.files)]:
+        real = Path(path).resolve()
+        if real == out or out in real.parents:
+            raise OutputError(f"{out} is or holds the source checkpoint ({real}); writing there would replace the "
+                              "source. Nothing was changed. Choose another output folder.")
+
+
+def _not_replaceable(out: Path) -> str | None:
+    """Why `out` may not be replaced, or None: it is empty, or holds only what one reshard write put there."""
+    if not out.is_dir():
+        return "it is not a folder"
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return None
+    try:
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return f"it holds {_some(entries)} and no {MANIFEST_NAME}, so it is not a reshard output"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST_NAME} cannot be read ({e})"
+    try:
+        if manifest.get("format") != MANIFEST_FORMAT:
+            return f"its {MANIFEST_NAME} is not a reshard manifest"
+        ours = {MANIFEST_NAME, *(f["name"] for f in manifest["files"])}
+        copied = manifest.get("copied")
+        # a manifest from before `copied` was recorded: only top-level files reshard copies today count as ours
+        ours |= set(copied) if copied is not None else {e for e in entries if is_metadata_file(e)}
+    except (AttributeError, KeyError, TypeError):
+        return f"its {MANIFEST_NAME} is damaged"
+    foreign = [e for e in entries if e not in ours or not (out / e).is_file()]
+    if foreign:
+        return f"it is a reshard output but also holds {_some(foreign)}, which reshard did not write"
+    return None
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse an existing `out` unless `overwrite` and it is an empty folder or a complete reshard output."""
+    if not overwrite:
+        raise OutputError(f"{out} already exists. Pass --overwrite to replace it (only a reshard output or an empty "
+                          "folder is replaced), or choose another folder.")
+    why = _not_replaceable(out)
+    if why is not None:
+        raise OutputError(f"{out}: --overwrite replaces only an empty folder or a complete reshard output, and {why}. "
+                          "Nothing was changed. Move what is there yourself, or choose another output folder.")
 
 
 @contextmanager
@@ -297,7 +420,7 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
     Args:
         plan: from `make_plan`.
         index: the source checkpoint (local files: `read_checkpoint(..., need_data=True)`).
-        out: the output folder; must not exist unless `overwrite`.
+        out: the output folder; must not exist unless `overwrite`, and then be empty or a reshard output.
         max_shard_size: split each coordinate's data into files of at most this many bytes.
         progress: show a byte progress bar (None: only on a terminal; False: never).
 
@@ -305,34 +428,44 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
         The manifest document written to `out/reshard.json`.
 
     Raises:
-        OutputError: `out` exists, is not writable, or the disk is full (nothing partial is left).
+        OutputError: `out` exists (and is not replaceable), is or holds the source, another write to it is running,
+            it is not writable, or the disk is full (nothing partial is left).
         CheckpointError: the source is not available locally.
 
     Example:
         >>> write_shards(plan, read_checkpoint("ckpt", need_data=True), "ckpt-fsdp8")  # doctest: +SKIP
     """
-    out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise OutputError(f"{out} already exists. Pass --overwrite to replace it, or choose another folder.")
+    out = Path(out).resolve()
     for file in index.files:
         index.path_of(file.name)  # fails early for header-only (remote) sources
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_temporaries(out)
-    mesh = plan.mesh
-    coords = [coordinate_chunks(plan, c) for c in range(mesh.num_shard_groups)]
-    total = sum(spec.nbytes for chunks in coords for spec, _, _ in chunks)
-    free = shutil.disk_usage(out.parent).free
-    if free < total:
-        raise OutputError(f"{out.parent}: {free / 2**30:.2f} GiB free, the output needs {total / 2**30:.2f} GiB. "
-                          "Free space or write elsewhere.")
-    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard write",
-               disable=None if progress is None else not progress)
-    copier = _Copier(index, bar)
+    _refuse_source_overlap(out, index)
+    if os.path.lexists(out):
+        _check_replaceable(out, overwrite)  # refused before anything is touched
     try:
-        with _sigterm_as_interrupt():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out.parent}: cannot create it ({e.strerror or e}); choose a folder you can write "
+                          "to.") from e
+    copied = [name for name in index.other_files if name != MANIFEST_NAME]
+    with _sigterm_as_interrupt(), _write_lock(out):
+        _clean_stale_temporaries(out)  # may put back an OUT a killed swap left aside: check it again
+        if os.path.lexists(out):
+            _check_replaceable(out, overwrite)
+        mesh = plan.mesh
+        coords = [coordinate_chunks(plan, c) for c in range(mesh.num_shard_groups)]
+        data = sum(spec.nbytes for chunks in coords for spec, _, _ in chunks)
+        total = data + sum((index.root / name).stat().st_size for name in copied)
+        free = shutil.disk_usage(out.parent).free
+        if free < total:
+            raise OutputError(f"{out.parent}: {free / 2**30:.2f} GiB free, the output needs {total / 2**30:.2f} GiB. "
+                              "Free space or write elsewhere.")
+        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=data, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard write",
+                   disable=None if progress is None else not progress)
+        copier = _Copier(index, bar)
+        try:
             tmp.mkdir()
             files = []
             for coord, chunks in enumerate(coords):
@@ -340,10 +473,7 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
                 for part, items in enumerate(parts):
                     entry = _write_file(tmp / shard_file_name(coord, part, len(parts)), items, copier)
                     files.append({"coord": coord, **entry})
-            for name in index.other_files:
-                if name == MANIFEST_NAME:
-                    continue
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            for name in copied:
                 shutil.copy2(index.root / name, tmp / name)
             _fsync_files(tmp)
             manifest = _manifest(plan, index, files, coords)
@@ -352,22 +482,31 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
-            _replace(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
-                              f"The output needs {total / 2**30:.2f} GiB.") from e
-        if isinstance(e, OutputError):
+            _replace(tmp, out, overwrite)
+        except OSError as e:
+            _discard(out, tmp)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
+                                  f"The output needs {total / 2**30:.2f} GiB.") from e
+            if isinstance(e, OutputError):
+                raise
+            raise OutputError(f"{out}: write failed ({e}); nothing was kept.") from e
+        except BaseException:
+            _discard(out, tmp)
             raise
-        raise OutputError(f"{out}: write failed ({e}); nothing was kept.") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        copier.close()
-        bar.close()
+        finally:
+            copier.close()
+            bar.close()
     return manifest
+
+
+def _discard(out: Path, tmp: Path) -> None:
+    """After a failure or interruption: put OUT back if this write had moved it aside, remove the temporaries."""
+    aside = _aside_path(out)
+    if os.path.lexists(aside) and not os.path.lexists(out):
+        os.rename(aside, out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -378,16 +517,91 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished folder into place; an existing `out` (with --overwrite) is swapped out, then removed."""
-    if out.exists():
-        trash = out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
-        os.rename(out, trash)
+def _replace(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Put the finished folder in place so that OUT is, at every instant, the whole old or the whole new folder.
+
+    An existing OUT (checked again: nothing foreign may appear during the write) is exchanged with the new folder in
+    one step (Linux `renameat2(RENAME_EXCHANGE)`), then removed from where the new one was. Where the kernel or file
+    system cannot exchange, OUT is renamed aside and the new folder renamed in with SIGINT and SIGTERM held; only a
+    SIGKILL between those two renames leaves OUT aside, and the next write to OUT puts it back.
+    """
+    _swap_hook("before-swap")
+    if not os.path.lexists(out):
         os.rename(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
+        _swap_hook("swapped")
     else:
-        os.rename(tmp, out)
+        _check_replaceable(out, overwrite)
+        if _exchange(tmp, out):
+            _fsync_dir(out.parent)
+            _swap_hook("swapped")
+            shutil.rmtree(tmp, ignore_errors=True)  # the old output, now at the temporary path
+        else:
+            aside = _aside_path(out)
+            with _signals_held():
+                os.rename(out, aside)
+                try:
+                    _swap_hook("old-moved")
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(aside, out)
+                    raise
+            _fsync_dir(out.parent)
+            _swap_hook("swapped")
+            shutil.rmtree(aside, ignore_errors=True)
     _fsync_dir(out.parent)
+    _swap_hook("done")
+
+
+@contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM around the two renames of a swap: raised again, to their own handlers, after it.
+
+    Python runs signal handlers in the main thread whichever thread the kernel picked, so recording them there
+    (not masking this thread) is what keeps them out of the block. Off the main thread they never interrupt it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc < 2.28)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the entries at `a` and `b` atomically; False (nothing moved) where the kernel or file system cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _placement_dict(p) -> dict:
@@ -424,4 +638,5 @@ def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict], coor
             for c, chunks in enumerate(coords)
         ],
         "files": files,
+        "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
     }

@@ -11,8 +11,10 @@ Needs one CUDA device and megatron-fsdp (0.6.x); not run in CI. Each run:
 4. reports whether `expert_bias` is still the same all-zero tensor.
 
 The stock run is expected to replace the buffer (its address changes; its values are whatever the allocator had,
-NaN when the dirty block is reused); the patched run must keep it. Exit status: 0 when the patched run kept the
-buffer (or, with `--mode stock`, always after reporting), 1 when it did not, 2 when CUDA or megatron-fsdp is missing.
+NaN when the dirty block is reused); the patched run must keep it. The patched mode also checks, without
+megatron-fsdp, that a buffer made on the CPU ends on CUDA with its values after `to_empty(device="cuda")` under
+`reshard.meta_only_to_empty()`, and that a forward pass then runs. Exit status: 0 when the patched checks passed
+(or, with `--mode stock`, always after reporting), 1 when one did not, 2 when CUDA or megatron-fsdp is missing.
 
 Usage (world size 1; torchrun's variables are honoured when present):
 
@@ -124,6 +126,38 @@ def run_once(label: str, args, device, megatron_fsdp, materialize) -> bool:
     return intact
 
 
+def check_cpu_buffer_moved(device, materialize) -> bool:
+    """A router whose `expert_bias` was made on the CPU: after a meta-only `to_empty(device="cuda")` every tensor
+    must be on `device` (the current CUDA device) and the buffer must keep its values, so a forward pass runs."""
+    import torch
+    from torch import nn
+
+    values = torch.arange(8, dtype=torch.float32)
+    with torch.device("meta"):
+        router = nn.Linear(16, 8, bias=False)
+        router.register_buffer("expert_bias", values.clone(), persistent=True)  # made on the CPU on purpose
+    resident = torch.ones(8, device=device)
+    router.register_buffer("resident", resident)  # already on the target: must stay the same tensor
+    with materialize.meta_only_to_empty():
+        router.to_empty(device="cuda")  # no index: the current device, set to `device` by main()
+    nn.init.normal_(router.weight, std=0.02)
+    bias = router.expert_bias
+    placed = bias.device == device and router.weight.device == device
+    kept = placed and torch.equal(bias.cpu(), values)
+    same = router.resident is resident
+    try:
+        router(torch.ones(2, 16, device=device)) + router.expert_bias
+        forward = True
+    except RuntimeError as e:  # e.g. "Expected all tensors to be on the same device"
+        print(f"[moved] forward failed: {e}")
+        forward = False
+    ok = placed and kept and same and forward
+    print(f"[moved] CPU-made expert_bias on {bias.device} ({'values kept' if kept else 'VALUES LOST'}), weight on "
+          f"{router.weight.device}, resident buffer {'same tensor' if same else 'REPLACED'}, forward "
+          f"{'ran' if forward else 'FAILED'} -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("stock", "patched", "both"), default="both")
@@ -167,6 +201,7 @@ def main() -> int:
                 print("[stock] the buffer survived: megatron-fsdp no longer calls to_empty on it here, "
                       "or this version materializes differently")
         if args.mode in ("patched", "both"):
+            moved = check_cpu_buffer_moved(device, materialize)
             try:
                 applied = materialize.patch_megatron_fsdp()
             except ReshardError as e:
@@ -180,7 +215,7 @@ def main() -> int:
             finally:
                 materialize.unpatch_to_empty()
             print(f"[patched] {'PASS: the buffer is intact' if kept else 'FAIL: the buffer was lost'}")
-            status = 0 if kept else 1
+            status = 0 if kept and moved else 1
     finally:
         dist.destroy_process_group()
     return status

@@ -385,7 +385,7 @@ def meshes(num_experts: int):
 def _closing_leaked_fds():
     """Close the file descriptors a call leaves open.
 
-    Workaround for a leak in `reshard.verify._compare_with_source` (`fds.setdefault(path, os.open(path))` opens the
+    Workaround for a leak in `reshard.verification._compare_with_source` (`fds.setdefault(path, os.open(path))` opens the
     file again on every run): about 1,800 descriptors per tiny verify, so the matrix hits the open-files limit.
     """
     before = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
@@ -456,7 +456,7 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
     from reshard.loader import from_pretrained
     from reshard.mesh import MeshSpec
     from reshard.plan import box_is_empty, make_plan
-    from reshard.verify import verify
+    from reshard.verification import verify
 
     def clean(message: str) -> str:  # no temporary paths in reasons: the support table must be reproducible
         return str(message).replace(str(work), "<out>").replace(str(src), "<src>")

@@ -46,13 +46,14 @@ def tiny(tmp_path_factory):
 
 
 def run_ranks(script: str, nproc: int, *args: str, timeout: float = 180, env: dict | None = None,
-              check: bool = True) -> subprocess.CompletedProcess:
+              check: bool = True, monitor_interval: float = 0.5) -> subprocess.CompletedProcess:
     """Run `tests/ranks/<script>` on `nproc` real gloo processes with torchrun, under a timeout.
 
-    A hang fails the test (the process group is killed at `timeout`) instead of freezing CI.
+    A hang fails the test (the process group is killed at `timeout`) instead of freezing CI. `monitor_interval`: how
+    often torchrun's agent looks for a failed rank (and then kills the others).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--monitor-interval=0.5", str(RANK_SCRIPTS / script), *map(str, args)]
+           f"--monitor-interval={monitor_interval}", str(RANK_SCRIPTS / script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                 **(env or {})}
     try:

@@ -60,3 +60,64 @@ def test_plan_from_the_cache_imports_no_torch(tiny, tmp_path):
     assert runs[1].strip().endswith("NO-TORCH")
     first, second = (json.loads(r[: r.rindex("}") + 1]) for r in runs)
     assert first == second
+
+
+def test_an_entry_stored_by_other_code_is_not_served(tiny, monkeypatch, tmp_path):
+    """Same config, tensors and version number, different planning code (an upgrade, a local edit): a miss."""
+    import dataclasses
+
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path))
+    index = read_checkpoint(tiny("qwen3_moe"))
+    fresh = layout_from_model(build_meta_model(index.config), index)
+    ours = cache.code_digest()
+    assert ours is not None and len(ours) == 64
+    stale = dataclasses.replace(fresh, architecture="BuiltByOtherCode", tensors=fresh.tensors[:1])
+    monkeypatch.setattr(cache, "code_digest", lambda: "0" * 64)
+    cache.save_layout(index, stale)
+    assert cache.load_layout(index) == stale  # the other code's entry is there, under its own key
+    monkeypatch.setattr(cache, "code_digest", lambda: ours)
+    assert cache.load_layout(index) is None
+    assert find_experts(index) == fresh
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_unreadable_code_turns_the_cache_off(tiny, monkeypatch, tmp_path):
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path))
+    index = read_checkpoint(tiny("qwen3_moe"))
+    monkeypatch.setattr(cache, "code_digest", lambda: None)
+    layout = find_experts(index)
+    assert list(tmp_path.iterdir()) == [] and cache.load_layout(index) is None
+    assert layout == layout_from_model(build_meta_model(index.config), index)
+
+
+def test_an_edit_to_the_planning_code_misses_the_cache(tiny, tmp_path):
+    """End to end: a copy of the package hits the cache the installed one filled (the key is the code, not its
+    path) until one line of its experts.py changes; then it builds the layout again (imports torch)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    src = tiny("mixtral")
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(cache.__file__).parent, copy / "reshard", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys, reshard, reshard.cli as c; sys.argv = ['reshard', 'plan', {src!r}, '--fsdp', '5', '--json']"
+            "\ntry:\n    c.main()\nexcept SystemExit:\n    pass\n"
+            "print(reshard.__file__, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+
+    def plan(pythonpath: str | None) -> tuple[str, str]:
+        env = {**os.environ, "RESHARD_CACHE_DIR": str(tmp_path / "cache")}
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        result = subprocess.run([sys.executable, "-c", code.format(src=str(src))], capture_output=True, text=True,
+                                timeout=120, env=env, cwd=tmp_path)
+        module_file, torch_state = result.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+        return module_file, torch_state
+
+    installed, state = plan(None)
+    assert Path(installed).parent == Path(cache.__file__).parent and state == "TORCH"
+    copied, state = plan(str(copy))
+    assert Path(copied).parent == copy / "reshard" and state == "NO-TORCH"
+    with open(copy / "reshard" / "experts.py", "a") as f:
+        f.write("\n# a later release\n")
+    assert plan(str(copy)) == (copied, "TORCH")
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2

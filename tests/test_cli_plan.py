@@ -180,8 +180,8 @@ def test_glm4_moe_ten_experts_fsdp8_ep2(tiny):
 
 # ---- errors and exit codes ----------------------------------------------------------------------------------------
 
-def test_ep_not_dividing_the_expert_count_is_a_domain_error(tiny):
-    result = run("plan", tiny("glm4_moe"), "--fsdp", "6", "--ep", "3", expect=1)
+def test_ep_not_dividing_the_expert_count_is_a_bad_call(tiny):
+    result = run("plan", tiny("glm4_moe"), "--fsdp", "6", "--ep", "3", expect=2)
     assert "num_experts (10) is not divisible by ep (3)" in result.stderr
     assert "Traceback" not in result.output and result.stdout == ""
 

@@ -72,3 +72,39 @@ def test_every_troubleshooting_message_is_one_the_code_can_print():
         assert words, fragment
         for word in words:
             assert word.strip() in source, f"{word.strip()!r} (from {fragment!r}) is not in the code"
+
+
+def _section(title: str) -> str:
+    return README.split(f"### `{title}", 1)[1].split("\n### ", 1)[0]
+
+
+def test_readme_says_what_verify_against_proves():
+    """verify --against proves the copying, not the key mapping; the README says so and names the independent test,
+    which really compares with transformers' own load."""
+    text = " ".join(_section("reshard verify").split())
+    assert "What `--against` proves is the copying, not the key mapping" in text
+    assert "a mapping mistake would be copied faithfully and pass" in text
+    assert "`tests/test_write.py`" in text and "transformers' own `from_pretrained`" in text
+    test_write = (ROOT / "tests" / "test_write.py").read_text()
+    assert "AutoModelForCausalLM.from_pretrained(src)" in test_write and "def check_independently" in test_write
+    assert "not the mapping itself" in " ".join(_commands()["verify"].help.split())
+
+
+def test_readme_exit_codes_name_every_code_the_cli_uses():
+    """The codes themselves are tested in tests/test_cli_misc.py and tests/test_write_faults.py."""
+    sentence = " ".join(re.search(r"Exit codes: (.*?)\n\n", README, re.S).group(1).split())
+    for part in ("0 success", "1 the operation failed", "2 a bad call", "impossible mesh",
+                 "the model does (an `--ep` that does not divide its expert count", "130 interrupted by Ctrl-C",
+                 "143 by SIGTERM"):
+        assert part in sentence, part
+
+
+@pytest.mark.parametrize("command, fields", [
+    ("write", ["out", "files", "bytes", "tensors", "empty_markers", "layout", "mesh", "distributed_config"]),
+    ("verify", ["ok", "folder", "against", "files", "tensors", "empty_markers", "bytes_compared", "problems"]),
+])
+def test_json_documents_are_described(command, fields):
+    text = _section(f"reshard {command}")
+    assert "[--json]" in text.splitlines()[0]
+    described = text.split("`--json`", 1)[1].split("\n- ", 1)[0].split("\n\n", 1)[0]
+    assert re.findall(r"`(\w+)`", described) == fields

@@ -40,7 +40,8 @@ def test_cli_import_does_not_import_torch():
 _NO_TORCH = r"""
 import json, sys
 sys.modules["torch"] = None  # `import torch` now raises ImportError
-import reshard.plan, reshard.mesh, reshard.report, reshard.checkpoint, reshard.manifest, reshard.write, reshard.verify
+import reshard.plan, reshard.mesh, reshard.report, reshard.checkpoint, reshard.manifest, reshard.write
+import reshard.verification
 from reshard.layout import ModelLayout, Piece, Role, TargetTensor
 from reshard.mesh import MeshSpec
 from reshard.plan import make_plan, summarize
@@ -98,3 +99,37 @@ def test_plan_without_torch():
                                  "model.layers.*.mlp.experts.down_proj": [2, 2, 2, 2, 1, 1, 0, 0]}
     assert out["ratios"][0] > 1 and out["ratios"][1] == 1.0
     assert out["text_has_config"] is True
+
+
+_VERIFY_NAME = r"""
+import inspect, json, sys
+import reshard
+outcome = {}
+for when in ("before", "after"):  # before and after the name was resolved (and cached) by the package
+    if when == "after":
+        reshard.verify
+    try:
+        import reshard.verify
+    except ModuleNotFoundError as e:
+        outcome[when] = f"refused: {e.name}"
+    else:
+        outcome[when] = "imported"
+    outcome[when + "_is_function"] = inspect.isfunction(reshard.verify) and reshard.verify.__name__ == "verify"
+from reshard import verify
+import reshard.verification
+outcome["from_import"] = verify is reshard.verify is reshard.verification.verify
+outcome["submodule_registered"] = "reshard.verify" in sys.modules
+print(json.dumps(outcome))
+"""
+
+
+def test_reshard_verify_stays_the_function_after_import_reshard_verify():
+    """`import reshard.verify` must not replace the function `reshard.verify` with a module of that name: there is
+    no such module (it is `reshard.verification`), so the import fails cleanly and the function stays."""
+    result = python("-c", _VERIFY_NAME)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "before": "refused: reshard.verify", "before_is_function": True,
+        "after": "refused: reshard.verify", "after_is_function": True,
+        "from_import": True, "submodule_registered": False,
+    }

@@ -201,8 +201,8 @@ def test_own_file_reads_are_exact_and_catch_a_flipped_byte(tiny, tmp_path):
 @pytest.mark.parametrize("damage, mode", [("corrupt", "reshard"), ("remove", "patched")],
                          ids=["corrupt-reshard.from_pretrained", "remove-patched-transformers"])
 def test_a_bad_shard_stops_every_rank_with_the_reason(tiny, tmp_path, damage, mode):
-    """A flipped byte is caught by the CRC as the rank reads; a removed file, by the read itself when transformers'
-    own from_pretrained (patched) skips reshard's pre-check. Either way every rank raises, naming rank 2."""
+    """A flipped byte is caught by the CRC as the rank reads; a removed file, by the agreed pre-check that transformers'
+    own from_pretrained (patched) runs too. Either way every rank raises, naming rank 2."""
     src = tiny("qwen3_moe")
     out = tmp_path / "out"
     write_checkpoint(src, out, MeshSpec(fsdp=4), progress=False)
@@ -220,7 +220,7 @@ def test_a_bad_shard_stops_every_rank_with_the_reason(tiny, tmp_path, damage, mo
     for report in reports:
         assert report["error"].startswith("LoadError"), report
         assert "rank 2: shard-00003-model-00001-of-00001.safetensors" in report["error"]
-        assert ("cannot read" if damage == "remove" else "is corrupt (CRC-32") in report["error"], report["error"]
+        assert ("is missing" if damage == "remove" else "is corrupt (CRC-32") in report["error"], report["error"]
 
 
 def test_whole_model_in_one_process_equals_transformers(tiny, tmp_path):
@@ -353,3 +353,78 @@ def test_patch_refuses_other_transformers_versions(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.24.0")
     with pytest.raises(reshard.ReshardError, match="5.23"):
         reshard.patch_transformers()
+
+
+def test_from_pretrained_removes_the_patch_it_installed_but_keeps_the_users(tiny, tmp_path):
+    import transformers.modeling_utils as mu
+
+    from reshard.patch import is_patched
+
+    out = tmp_path / "out"
+    write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
+    reshard.unpatch_transformers()
+    stock = mu.PreTrainedModel.__dict__["_move_missing_keys_from_meta_to_device"]
+    reshard.from_pretrained(out)
+    assert not is_patched() and mu.PreTrainedModel.__dict__["_move_missing_keys_from_meta_to_device"] is stock
+    with reshard.patch_transformers():
+        reshard.from_pretrained(out)
+        assert is_patched()  # the user's patch outlives reshard's own call
+    assert not is_patched()
+
+
+def test_the_whole_model_path_checks_checksums_and_coverage(tiny, tmp_path):
+    from reshard.loader import assemble_state_dict
+
+    out = tmp_path / "out"
+    write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
+    victim = out / "shard-00002-model-00001-of-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(reshard.LoadError, match="shard-00002-model-00001-of-00001.safetensors is corrupt"):
+        reshard.from_pretrained(out)
+    assert assemble_state_dict(out, check_checksums=False)  # the user may skip the check, as on the sharded path
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    manifest = json.loads((out / "reshard.json").read_text())
+    entry = next(f for f in manifest["files"] if f["name"] == victim.name)
+    name, info = next((n, i) for n, i in entry["tensors"].items() if 0 not in i["shape"] and "experts" in n)
+    del entry["tensors"][name]  # the manifest no longer says where this chunk is: a gap
+    (out / "reshard.json").write_text(json.dumps(manifest))
+    with pytest.raises(reshard.LoadError, match=f"{name}: the chunks do not tile the tensor"):
+        reshard.from_pretrained(out)
+
+
+def test_coverage_check_finds_gaps_overlaps_and_duplicates():
+    from reshard.manifest import coverage_problems
+
+    def doc(chunks, kind="sharded"):
+        files = [{"name": f"f{i}", "coord": i, "tensors": {"t": {"offsets": list(o), "shape": list(s)}}}
+                 for i, (o, s) in enumerate(chunks)]
+        return {"tensors": {"t": {"shape": [4, 6], "placement": {"kind": kind}}}, "files": files}
+
+    assert coverage_problems(doc([((0, 0), (2, 6)), ((2, 0), (2, 6))])) == []
+    assert coverage_problems(doc([((0, 0), (4, 3)), ((0, 3), (4, 3)), ((4, 0), (0, 6))])) == []  # + empty marker
+    assert coverage_problems(doc([((0, 0), (2, 6))]))  # half missing
+    assert coverage_problems(doc([((0, 0), (3, 6)), ((2, 0), (2, 6))]))  # overlap
+    assert coverage_problems(doc([((0, 0), (2, 3)), ((2, 3), (2, 3)), ((0, 3), (2, 3))]))  # one grid cell missing
+    assert coverage_problems(doc([((0, 0), (4, 6)), ((0, 0), (4, 6))]))  # stored twice
+    assert coverage_problems(doc([((0, 0), (4, 6)), ((0, 0), (4, 6))], kind="replicated")) == []
+
+
+def test_the_patched_materialization_moves_a_real_buffer_to_the_target_device(tiny):
+    """A buffer made on the CPU on purpose ends on the device transformers loads onto, with its values (there is no
+    GPU here, so the target is `meta`: the branch is the one a CPU-made buffer takes when loading onto CUDA)."""
+    from transformers import AutoConfig
+
+    from reshard.patch import _move_only_meta_to_device
+
+    cls = _model_with_offmeta_bias()
+    model = cls(AutoConfig.from_pretrained(tiny("qwen3_moe")))
+    with reshard.patch_transformers():
+        _move_only_meta_to_device(model, [], {"": "cpu"}, None, None)
+        kept = _biases(model)
+        assert all(torch.equal(b, torch.full_like(b, SENTINEL)) for b in kept)
+        _move_only_meta_to_device(model, [], {"": "meta"}, None, None)
+    for before, after in zip(kept, _biases(model)):
+        assert after.is_meta and after.shape == before.shape and after is not before

@@ -165,6 +165,91 @@ def test_materialize_meta_is_idempotent():
     assert all(t is before[name] for name, t in [*block.named_parameters(), *block.named_buffers()])
 
 
+# --- real tensors on another device ----------------------------------------------------------------------------------
+# A CPU-only torch has one device that holds values, so the "made on the CPU, materialized on CUDA" case is split:
+# `_same_device` (the decision) is tested on device names, with the current CUDA device faked; the move itself is
+# tested by making `_same_device` say "elsewhere", and unfaked towards the one other device CPU torch has, meta.
+# scripts/megatron_fsdp_buffer_check.py runs the real CPU -> CUDA case on a GPU.
+
+
+@pytest.mark.parametrize("tensor_device, target, same", [
+    ("cpu", "cpu", True),
+    ("cpu", "cpu:0", True),  # a CPU tensor's device has no index; "cpu:0" is the same device
+    ("cpu", torch.device("cpu", 0), True),
+    ("cpu", "meta", False),
+    ("cpu", "cuda", False),
+    ("meta", "meta", True),
+    ("cuda:1", "cuda", True),  # "cuda" is the current device: 1 here
+    ("cuda:0", "cuda", False),
+    ("cuda:0", "cuda:0", True),
+    ("cuda:0", torch.device("cuda", 1), False),
+    ("cuda:0", "cpu", False),
+])
+def test_same_device_normalises_names(monkeypatch, tensor_device, target, same):
+    monkeypatch.setattr(mat, "_current_index", lambda device_type: {"cuda": 1}.get(device_type, 0))
+    assert mat._same_device(torch.device(tensor_device), target) is same
+
+
+def test_same_device_with_both_indices_does_not_ask_for_the_current_device(monkeypatch):
+    def current(device_type):
+        raise AssertionError("the current device was looked up")
+
+    monkeypatch.setattr(mat, "_current_index", current)
+    assert mat._same_device(torch.device("cuda", 0), "cuda:1") is False
+    assert mat._same_device(torch.device("cuda", 1), torch.device("cuda", 1)) is True
+
+
+def block_with_real_parameter() -> Block:
+    block = meta_block()
+    real = TaggedParameter(torch.full((3,), 2.0), requires_grad=False)
+    real.tp_split_dim = 0  # a framework flag that must survive the move
+    block.router.real = real
+    block.alias = block.router.real  # registered twice: moved once, still one tensor
+    return block
+
+
+def test_real_tensors_elsewhere_are_moved_with_their_values(monkeypatch, poisoned_empty_like):
+    monkeypatch.setattr(mat, "_same_device", lambda tensor_device, target: False)  # every real tensor is elsewhere
+    block = block_with_real_parameter()
+    bias, counts, real = block.router.expert_bias, block.router.counts, block.router.real
+    report = materialize_meta_(block, "cpu")
+    assert set(report.moved) == {"router.expert_bias", "router.counts", "alias"}  # the first name of router.real
+    assert report.kept == ()
+    assert set(report.materialized) == {"embed.weight", "router.gate.weight", "router.scratch", "router.scale"}
+    assert "moved 3 to the target device with their values" in str(report)
+    # new tensors with the old values, the old ones not aliased
+    assert block.router.expert_bias is not bias and block.router.expert_bias.data_ptr() != bias.data_ptr()
+    assert torch.equal(block.router.expert_bias, torch.full((4,), 7.0))
+    assert torch.equal(block.router.counts, torch.arange(4, dtype=torch.float32))
+    assert "counts" not in block.router.state_dict()  # still a non-persistent buffer
+    moved = block.router.real
+    assert moved is not real and moved.data_ptr() != real.data_ptr()
+    assert type(moved) is TaggedParameter and not moved.requires_grad and moved.tp_split_dim == 0
+    assert torch.equal(moved, torch.full((3,), 2.0))
+    assert block.alias is moved
+    assert dict(block.named_parameters(remove_duplicate=False))["router.real"] is moved
+
+
+def test_to_empty_moves_a_buffer_made_elsewhere(monkeypatch):
+    monkeypatch.setattr(mat, "_same_device", lambda tensor_device, target: False)
+    block = meta_block()
+    with meta_only_to_empty():
+        block.to_empty(device="cpu")
+    assert torch.equal(block.router.expert_bias, torch.full((4,), 7.0))
+    assert no_meta_left(block)
+
+
+def test_every_tensor_ends_on_the_target_device():
+    """Unfaked: towards meta, the one device besides the CPU that CPU-only torch has, real tensors move too."""
+    block = block_with_real_parameter()
+    report = materialize_meta_(block, "meta")
+    assert all(t.is_meta for t in [*block.parameters(), *block.buffers()])
+    assert set(report.moved) == {"router.expert_bias", "router.counts", "alias"}  # the first name of router.real
+    assert report.kept == ()
+    assert type(block.router.real) is TaggedParameter and block.router.real.tp_split_dim == 0
+    assert block.alias is block.router.real and block.head.weight is block.embed.weight
+
+
 def test_recurse_false_touches_only_own_tensors():
     block = meta_block()
     bias = block.router.expert_bias

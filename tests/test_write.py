@@ -2,7 +2,7 @@
 
 For each model and layout the written folder is checked twice:
 
-- by `reshard.verify.verify(out, against=src)`;
+- by `reshard.verification.verify(out, against=src)`;
 - by this file alone: every shard is opened with `safetensors.safe_open`, each chunk is placed at the
   `saved_offsets` its header's `DCP_SHARDING_INFO` gives, into a zero tensor of the global shape while a counter
   tensor records coverage (every element written exactly once), and the result is compared with `torch.equal` to
@@ -31,7 +31,7 @@ from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.mesh import MeshSpec
 from reshard.plan import chunk
-from reshard.verify import verify
+from reshard.verification import verify
 
 # transformers 5.23 `distributed/checkpoint.py`: the names that select the distributed-checkpoint loader
 HF_SHARD_RE = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
@@ -129,7 +129,7 @@ def check_independently(src: Path, out: Path, mesh: MeshSpec, mode: str, manifes
         count = torch.zeros(ref.shape, dtype=torch.int32)
         replicated = name in buffers or ref.dim() == 0
         coords = sorted(c for c, _, _, _ in chunks[name])
-        assert coords == ([0] if replicated else list(range(mesh.fsdp))), f"{name}: stored for coordinates {coords}"
+        assert coords == list(range(mesh.fsdp)), f"{name}: stored for coordinates {coords}"  # every one stands alone
         for coord, offsets, tensor, file in chunks[name]:
             assert tensor.dtype == disk_dtype, f"{file}: {name} is {tensor.dtype}, the source is {disk_dtype}"
             assert len(offsets) == ref.dim() and tensor.dim() == ref.dim()
@@ -145,6 +145,10 @@ def check_independently(src: Path, out: Path, mesh: MeshSpec, mode: str, manifes
             if tensor.numel() == 0:
                 found_empty.add((coord, name))
                 continue
+            if replicated:  # a whole copy in every coordinate: each one must equal the source
+                assert torch.equal(tensor, ref), f"{file}: the copy of {name} differs from the source"
+                if coord:
+                    continue
             region = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
             full[region] = tensor
             count[region] += 1
@@ -170,8 +174,9 @@ def test_write_matches_reference(tiny, tmp_path, model_type, experts, fused, mes
     out = tmp_path / "out"
     manifest = write_checkpoint(src, out, mesh, mode=mode, progress=False)
     summary = verify(out, against=src)
-    state, _ = reference(src)
-    assert summary["bytes_compared"] == sum(t.numel() * t.element_size() for t in state.values())
+    state, buffers = reference(src)
+    copies = {name: mesh.fsdp if name in buffers or t.dim() == 0 else 1 for name, t in state.items()}
+    assert summary["bytes_compared"] == sum(t.numel() * t.element_size() * copies[n] for n, t in state.items())
     assert summary["empty_markers"] == sum(len(c["empty"]) for c in manifest["coords"])
     check_independently(src, out, mesh, mode, manifest)
 
@@ -266,7 +271,9 @@ def test_golden_layout(tiny, tmp_path):
     manifest = json.loads(text)
     assert text == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     assert set(manifest) == {"format", "version", "tool", "source", "mesh", "distributed_config", "layout",
-                             "tensors", "coords", "files"}
+                             "tensors", "coords", "files", "copied"}
+    assert manifest["copied"] == sorted(p.name for p in out.iterdir() if p.name != "reshard.json"
+                                        and not p.name.startswith("shard-"))
     assert (manifest["format"], manifest["version"], manifest["layout"]) == ("reshard", 1, "stock")
     assert manifest["tool"].startswith("reshard ")
     assert manifest["mesh"] == {"fsdp": 4, "ep": 1, "dp_replicate": 1, "tp": 1, "pp": 1}

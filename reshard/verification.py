@@ -1,16 +1,20 @@
-"""Prove a written folder complete and exact: manifest vs files, coverage, empty markers, and bytes vs source."""
+"""Prove a written folder complete and exact: manifest vs files, coverage, empty markers, and bytes vs source.
+
+This proves the copying, not reshard's key mapping (which on-disk keys make which in-memory tensor): the bytes are
+compared with the source bytes that mapping names. The tests check the mapping against transformers' own load.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import zlib
 from pathlib import Path
 
 from .checkpoint import DTYPE_BITS, read_checkpoint, read_header
-from .errors import ReshardError, VerifyError
-from .layout import Piece, Role, TargetTensor
-from .manifest import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY, file_crc32, read_manifest
+from .errors import MeshError, ReshardError, VerifyError
+from .manifest import DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, read_manifest
 from .write import COPY_BUFFER_BYTES, chunk_runs
 
 
@@ -19,32 +23,94 @@ def _overlap(a, b) -> bool:
 
 
 def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = None, revision: str | None = None,
-           checksums: bool = True) -> dict:
+           checksums: bool = True, progress: bool | None = None) -> dict:
     """Check a `reshard write` folder; with `against`, compare every byte with the source checkpoint.
 
     Checks: every manifest file exists with its size and CRC-32; each header matches the manifest (shapes, offsets,
     `DCP_SHARDING_INFO`); every sharded tensor has one entry per coordinate (a chunk or an empty marker), the
-    non-empty chunks tile the tensor exactly once; each empty local is listed in the manifest; replicated
-    tensors are stored whole once. With `against`: each chunk's bytes equal the source's.
+    non-empty chunks tile the tensor exactly once; each empty local is listed in the manifest; a replicated
+    tensor (a persistent buffer) is stored whole in every coordinate's files, or, as earlier writes store it, once
+    in coordinate 0's. With `against`: each chunk's bytes, every copy of a replicated tensor included, equal the
+    source's.
+
+    What this proves is the copying: that the bytes sit where the manifest says and equal the source bytes reshard's
+    key mapping names. It does not prove that mapping right (which on-disk keys make which in-memory tensor); the
+    tests check that against transformers' own load.
 
     Args:
         folder: the written folder.
         against: the source checkpoint (folder, file or Hub repo id).
         checksums: recompute every file's CRC-32 (reads all bytes).
+        progress: show a byte progress bar (None: only on a terminal; False: never).
 
     Returns:
-        A summary: files, tensors, empty markers, bytes compared.
+        The summary of `check_folder`, whose `problems` are empty.
 
     Raises:
         VerifyError: listing every problem found, one per line.
     """
+    summary = check_folder(folder, against=against, revision=revision, checksums=checksums, progress=progress)
+    if summary["problems"]:
+        raise VerifyError(summary["problems"])
+    return summary
+
+
+def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None = None,
+                 revision: str | None = None, checksums: bool = True, progress: bool | None = None) -> dict:
+    """`verify`, returning the problems instead of raising them (what `reshard verify --json` prints).
+
+    Returns:
+        `ok`, `folder`, `against`, `files`, `tensors`, `empty_markers`, `bytes_compared` and `problems` (one line
+        each; empty when `ok`).
+
+    Raises:
+        ReshardError: the source given as `against` cannot be read.
+    """
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    summary = {"ok": False, "folder": str(folder), "against": None if against is None else str(against),
+               "files": 0, "tensors": 0, "empty_markers": 0, "bytes_compared": 0, "problems": []}
+    try:
+        manifest = read_manifest(folder)
+        mesh = manifest.mesh
+    except VerifyError as e:
+        return {**summary, "problems": e.problems}
+    except MeshError as e:
+        return {**summary, "problems": [f"{folder / MANIFEST_NAME}: {e}"]}
     data = manifest.data
     problems: list[str] = []
     corrupt: list[str] = []  # CRC mismatches: the structure is still sound, so --against still compares bytes
-    mesh = manifest.mesh
     tensors = data["tensors"]
+    from tqdm.auto import tqdm
+
+    total = sum(entry["bytes"] for entry in data["files"]) if checksums else 0
+    if against is not None:
+        total += sum(math.prod(info["shape"]) * DTYPE_BITS.get(tensors[name]["dtype"], 0) // 8
+                     for entry in data["files"] for name, info in entry["tensors"].items() if name in tensors)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
+               disable=None if progress is None else not progress)
+    try:
+        compared, markers = _check(folder, data, mesh, against, revision, checksums, bar, problems, corrupt)
+    finally:
+        bar.close()
+    problems = corrupt + problems
+    return {**summary, "ok": not problems, "files": len(data["files"]), "tensors": len(tensors),
+            "empty_markers": markers, "bytes_compared": compared, "problems": problems}
+
+
+def _crc32(path: Path, buffer: bytearray, bar) -> str:
+    """The file's CRC-32 as the manifest records it (8 hex digits), advancing `bar` as the bytes pass."""
+    crc, view = 0, memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            bar.update(n)
+    return f"{crc:08x}"
+
+
+def _check(folder, data, mesh, against, revision, checksums, bar, problems, corrupt) -> tuple[int, int]:
+    """Every check of `verify`, appending to `problems` and `corrupt`; returns (bytes compared, empty markers)."""
+    tensors = data["tensors"]
+    buffer = bytearray(COPY_BUFFER_BYTES)
     chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in tensors}
     headers = {}
     for entry in data["files"]:
@@ -55,7 +121,7 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
         if path.stat().st_size != entry["bytes"]:
             problems.append(f"{entry['name']}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
             continue
-        if checksums and file_crc32(path) != entry["crc32"]:
+        if checksums and _crc32(path, buffer, bar) != entry["crc32"]:
             corrupt.append(f"{entry['name']}: CRC-32 differs from the manifest (the file is corrupt)")
         try:
             header = read_header(path)
@@ -84,13 +150,24 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
             chunks[name].append((entry["coord"], tuple(zip(info["offsets"], info["shape"])), entry["name"]))
     empty_listed = {(c["coord"], name) for c in data["coords"] for name in c["empty"]}
     markers = 0
+    every_coord = list(range(mesh.num_shard_groups))
     for name, info in tensors.items():
         shape, found = info["shape"], chunks[name]
-        replicated = info["placement"]["kind"] == "replicated"
         coords = sorted(c for c, _, _ in found)
-        expected = [0] if replicated else list(range(mesh.num_shard_groups))
-        if coords != expected:
-            problems.append(f"{name}: stored for coordinates {coords}, expected {expected}")
+        if info["placement"]["kind"] == "replicated":
+            # A whole copy in every coordinate (each coordinate's files then hold all their ranks load), or in
+            # coordinate 0 alone (folders written before that); each copy is compared with the source.
+            if coords != every_coord and coords != [0]:
+                problems.append(f"{name}: stored for coordinates {coords}, expected a whole copy in each of "
+                                f"{every_coord}")
+            whole = tuple((0, n) for n in shape)
+            for coord, box, file in found:
+                if box != whole:
+                    problems.append(f"{file}: {name} holds {[list(b) for b in box]} (offset, length per dim), not "
+                                    f"the whole replicated tensor {shape}")
+            continue
+        if coords != every_coord:
+            problems.append(f"{name}: stored for coordinates {coords}, expected {every_coord}")
         filled = []
         for coord, box, _ in found:
             if any(n == 0 for _, n in box):
@@ -109,15 +186,11 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
             problems.append(f"{name}: chunks cover {covered} of {math.prod(shape)} elements")
     compared = 0
     if against is not None and not problems:
-        compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems)
-    problems = corrupt + problems
-    if problems:
-        raise VerifyError(problems)
-    return {"files": len(data["files"]), "tensors": len(tensors), "empty_markers": markers,
-            "bytes_compared": compared}
+        compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar)
+    return compared, markers
 
 
-def _compare_with_source(folder, data, headers, chunks, against, revision, problems) -> int:
+def _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar) -> int:
     """Compare each chunk's bytes with the bytes the source pieces give for that region."""
     from .experts import find_experts
 
@@ -153,6 +226,7 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
                             problems.append(f"{file}: {name} differs from the source at chunk {box}")
                             break
                         done += n
+                        bar.update(n)
                     compared += done
     finally:
         for fd in fds.values():
