@@ -167,16 +167,24 @@ def _parse_size(text: str) -> int:
     return int(float(m.group(1)) * units[m.group(2).upper()])
 
 
-class SizeType(click.ParamType):
-    name = "size"
+class ParsedType(click.ParamType):
+    """A flag whose text `parse` turns into a value, raising `click.BadParameter` with the message; a value that is
+    already `parsed` (a default) passes as it is."""
+
+    parse = staticmethod(str)
+    parsed: type = str
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
+        if isinstance(value, self.parsed):
             return value
         try:
-            return _parse_size(value)
+            return self.parse(value)
         except click.BadParameter as e:
             self.fail(e.message, param, ctx)
+
+
+class SizeType(ParsedType):
+    name, parse, parsed = "size", staticmethod(_parse_size), int
 
 
 @cli.command()
@@ -188,26 +196,47 @@ class SizeType(click.ParamType):
 @click.option("--max-shard-size", type=SizeType(), default=None,
               help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes writing in parallel on this machine, each a share of the rank files balanced by bytes; "
+                   "the output is the same. Default: min(4, half the CPU cores, the ranks' coordinates, one per GiB "
+                   "of data), at least 1 (1: write in this process).")
+@click.option("--distributed/--no-distributed", default=None,
+              help="Write as one rank of a torchrun job (`torchrun ... -m reshard write ...`): each rank writes its "
+                   "share into OUT on a shared file system, rank 0 the manifest. Default: on when torchrun's RANK, "
+                   "LOCAL_RANK and WORLD_SIZE > 1 are set.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
-def write(src, out, mesh, mode, revision, max_shard_size, overwrite, quiet, as_json):
+def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, distributed, quiet, as_json):
     """Write SRC as per-rank shard files for the mesh into OUT, plus reshard.json.
 
     Every rank gets its own file (replicas share them): a non-empty slice of every tensor, or an explicit empty
     marker where no even split exists. Bytes are copied exactly (no dtype change); fused experts are composed
     from per-expert keys slice by slice. OUT appears only when complete; an interrupted write leaves nothing.
-    Non-weight files (config, tokenizer, ...) are copied as they are.
+    Non-weight files (config, tokenizer, ...) are copied as they are. Several writers (--workers on one machine,
+    or the ranks of a torchrun job) write shares of the files into one temporary folder; the result is the same.
 
     \b
     Example:
       reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
+      torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+          -m reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
     """
     from .api import write_checkpoint
 
+    if distributed is None:
+        from .loader import launcher_world_size
+
+        distributed = (launcher_world_size() or 1) > 1
+    if distributed and workers not in (None, 1):
+        raise click.UsageError("--workers is for a write on one machine; in a torchrun write every rank writes its "
+                               "share (for more writers per node, raise --nproc-per-node).")
     manifest = write_checkpoint(src, out, mesh, mode=mode, revision=revision, overwrite=overwrite,
-                                max_shard_size=max_shard_size, progress=False if quiet else None)
+                                max_shard_size=max_shard_size, progress=False if quiet else None,
+                                workers=1 if distributed else workers, distributed=distributed)
+    if manifest is None:
+        return  # another rank of a distributed write: rank 0 prints the summary
     total = sum(f["bytes"] for f in manifest["files"])
-    empty = sum(len(c["empty"]) for c in manifest["coords"])
+    empty = sum(c["empty_markers"] for c in manifest["coords"])
     if as_json:
         click.echo(json.dumps({"out": out, "files": len(manifest["files"]), "bytes": total,
                                "tensors": len(manifest["tensors"]), "empty_markers": empty,
@@ -288,16 +317,8 @@ def _parse_ranks(text: str) -> list[int]:
     return sorted(ranks)
 
 
-class RanksType(click.ParamType):
-    name = "ranks"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, list):
-            return value
-        try:
-            return _parse_ranks(value)
-        except click.BadParameter as e:
-            self.fail(e.message, param, ctx)
+class RanksType(ParsedType):
+    name, parse, parsed = "ranks", staticmethod(_parse_ranks), list
 
 
 @cli.command(name="files")

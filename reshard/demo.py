@@ -52,7 +52,7 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
         echo(render_plan(plan, src.name))
         echo(f"\n3/5 reshard write {src.name} {out.name} --fsdp {ranks}")
         manifest = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
-        echo(f"    {len(manifest['files'])} files, {sum(len(c['empty']) for c in manifest['coords'])} explicit "
+        echo(f"    {len(manifest['files'])} files, {sum(c['empty_markers'] for c in manifest['coords'])} explicit "
              "empty marker(s)")
         echo(f"\n4/5 loading on {ranks} CPU processes (gloo) with reshard.from_pretrained")
         shutil.rmtree(reports, ignore_errors=True)

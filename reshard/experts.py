@@ -3,14 +3,19 @@
 transformers owns the knowledge of how each model type stores its weights (`conversion_mapping.py`) and which
 modules are expert-parallel (the model's `ep_plan`). We build the model on the meta device (no memory, no data),
 replay the key renaming transformers applies at load time, and turn each converter's ops into `Piece` offsets.
-Only the ops we can compose slice by slice are accepted; anything else is refused by name.
+Only the ops we can compose slice by slice are accepted; anything else is refused by name. Keys that differ only in
+their layer and expert numbers are renamed by transformers once per such template (`_rename_by_template`), so
+transformers' share of the work does not grow with the number of layers.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import re
+import sys
 from collections import defaultdict
+from contextlib import contextmanager
 
 from .checkpoint import CheckpointIndex
 from .errors import ArchitectureError, CheckpointError
@@ -18,6 +23,11 @@ from .layout import ModelLayout, Piece, Role, TargetTensor
 
 _ROUTER = re.compile(r"(^|\.)(gate|router|moe_statics)(\.|$)|e_score_correction_bias|expert_bias")
 _SHARED = re.compile(r"shared_expert|shared_mlp")
+# A whole dotted component made of digits (a layer or expert index); `split` keeps it as an odd-numbered part.
+_INDEX = re.compile(r"(?<![^.])(\d+)(?![^.])")
+# Regex constructs that could tell one index from another (a digit class, a length, a literal number): a mapping
+# using one is renamed key by key.
+_INDEX_SPECIFIC = re.compile(r"\\[dDwW]|\[|\{|(?<![A-Za-z0-9_\\])\d")
 
 
 def _role(name: str, is_expert: bool) -> Role:
@@ -107,13 +117,40 @@ def find_experts(index: CheckpointIndex) -> ModelLayout:
     cached = load_layout(index)
     if cached is not None:
         return cached
-    layout = layout_from_model(build_meta_model(index.config), index)
+    with _gc_paused(freeze="torch" not in sys.modules):
+        layout = layout_from_model(build_meta_model(index.config), index)
     save_layout(index, layout)
     return layout
 
 
-def layout_from_model(model, index: CheckpointIndex) -> ModelLayout:
-    """The `find_experts` work once the meta model exists (split out so callers can reuse a model)."""
+@contextmanager
+def _gc_paused(freeze: bool):
+    """Pause the cyclic garbage collector around a cache miss; with `freeze`, exempt what it made from later passes.
+
+    Importing torch and transformers allocates about two million objects (modules, classes, functions) that live as
+    long as the process, and the collector walks all of them again on every full pass: during the imports, after
+    them, and once more at exit, a third of a cold `plan`. `freeze` (`gc.freeze`) is only asked for when this call
+    did the import, so what it pins is that, plus whatever the process held before (little, in a process that had
+    not imported torch yet); the meta model and the layout hold no reference cycles and are freed as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.freeze()
+        if enabled:
+            gc.enable()
+
+
+def layout_from_model(model, index: CheckpointIndex, *, by_template: bool = True) -> ModelLayout:
+    """The `find_experts` work once the meta model exists (split out so callers can reuse a model).
+
+    With `by_template` (the default), keys that differ only in their layer and expert indices are renamed once per
+    template by transformers and the rest by substituting the indices (`_rename_by_template`); False renames every
+    key with transformers, the reference the fast path is tested against (tests/test_layout_fast.py).
+    """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
@@ -125,18 +162,38 @@ def layout_from_model(model, index: CheckpointIndex) -> ModelLayout:
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
+    prefix = model.base_model_prefix
+
+    def transformers_rename(key: str) -> tuple[str, str | None]:  # what transformers' loader does with one key
+        return rename_source_key(key, renamings, converters, prefix, meta_state)
+
+    def rename(key: str) -> tuple[str, str | None]:
+        target, pattern = transformers_rename(key)
+        if target not in meta_state and key in meta_state:  # already an in-memory name
+            target, pattern = rename_source_key(key, [], [], prefix, meta_state)
+        return target, pattern
 
     # target -> source pattern -> on-disk keys, in the order transformers collects them (natural key order)
     collected: dict[str, dict[str | None, list[str]]] = defaultdict(lambda: defaultdict(list))
     ignored = []
-    for key in sorted(index.tensors, key=dot_natural_key):
-        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
-        if target not in meta_state and key in meta_state:
-            target, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_state)
-        if target in meta_state:
-            collected[target][pattern].append(key)
-        else:
-            ignored.append(key)
+    if by_template and _indices_are_opaque(mapping, prefix, meta_state):
+        renamed, indices = _rename_by_template(index.tensors, transformers_rename, rename, meta_state)
+        for key, (target, pattern) in renamed.items():
+            if target in meta_state:
+                collected[target][pattern].append(key)
+            else:
+                ignored.append(key)
+        for groups in collected.values():
+            for keys in groups.values():
+                _natural_sort(keys, indices, dot_natural_key)
+        ignored.sort(key=dot_natural_key)
+    else:
+        for key in sorted(index.tensors, key=dot_natural_key):
+            target, pattern = rename(key)
+            if target in meta_state:
+                collected[target][pattern].append(key)
+            else:
+                ignored.append(key)
 
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     tensors = []
@@ -156,6 +213,103 @@ def layout_from_model(model, index: CheckpointIndex) -> ModelLayout:
         tensors.append(TargetTensor(name, shape, dtypes.pop(), _role(name, name in experts), name not in buffers,
                                     tuple(pieces)))
     return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored), expert_parallel)
+
+
+def _indices_are_opaque(mapping, prefix: str, meta_state) -> bool:
+    """Whether renaming treats index components as opaque text, so a template's rule holds for all its keys.
+
+    Holds when every transform renames with the stock regex machinery (no subclass that computes indices, like
+    Inkling 2's offset rename), none of its patterns can tell one index from another (`_INDEX_SPECIFIC`), and the
+    base-model prefix fix-up cannot depend on an index. transformers strips `prefix` and the character after it
+    when the rest is a state-dict name, else adds `prefix.` when that is one; the outcome can only differ between
+    two keys of a template if some state-dict name is also one with the prefix stripped once or twice.
+    """
+    from transformers.core_model_loading import WeightTransform
+
+    for transform in mapping:
+        if type(transform).rename_source_key is not WeightTransform.rename_source_key:
+            return False
+        if any(_INDEX_SPECIFIC.search(p) for p in (*transform.source_patterns, *transform.target_patterns)):
+            return False
+        if any(ch.isdigit() for ch in f"{transform.scope_prefix or ''}{transform.base_model_prefix or ''}"):
+            return False
+    if any(ch.isdigit() for ch in prefix or ""):
+        return False
+
+    def strip(name: str) -> str | None:
+        return name[len(prefix) + 1:] if prefix and name.startswith(prefix) and len(name) > len(prefix) else None
+
+    for name in meta_state:
+        once = strip(name)
+        if once is not None and (once in meta_state or strip(once) in meta_state):
+            return False
+    return True
+
+
+def _rename_by_template(keys, transformers_rename, rename, meta_state):
+    """`rename` of every key (in `keys`' order), calling transformers once or twice per template, not once per key.
+
+    Keys equal but for their index components (`model.layers.{L}.mlp.experts.{E}.gate_proj.weight`) form a template.
+    `transformers_rename` is learnt on a member whose indices are pairwise distinct: each index of its target must
+    be one of them, which says where each target index comes from. The rule is checked with `transformers_rename` on
+    one more member per index position that varies, and used only where its target is a state-dict name; any other
+    key goes through `rename`. Only valid when `_indices_are_opaque`.
+
+    Returns:
+        key -> (target, pattern), and key -> its template and indices (for `_natural_sort`).
+    """
+    split = {}
+    templates: dict[tuple[str, ...], list[tuple[str, list[str]]]] = defaultdict(list)
+    for key in keys:
+        parts = _INDEX.split(key)
+        split[key] = template, indices = tuple(parts[0::2]), parts[1::2]
+        templates[template].append((key, indices))
+    rules = {t: _learn_rule(members, transformers_rename) for t, members in templates.items() if len(members) > 1}
+    out = {}
+    for key, (template, indices) in split.items():
+        rule = rules.get(template)
+        if rule is not None:
+            texts, positions, pattern = rule
+            target = _fill(texts, [indices[j] for j in positions])
+            if target in meta_state:
+                out[key] = (target, pattern)
+                continue
+        out[key] = rename(key)
+    return out, split
+
+
+def _fill(texts, indices) -> str:
+    return "".join(t + i for t, i in zip(texts, indices)) + texts[-1]
+
+
+def _learn_rule(members, transformers_rename):
+    """(target texts, source position of each target index, pattern) for a template, or None when not learnt."""
+    first = next(((k, i) for k, i in members if len(set(i)) == len(i)), None)
+    if first is None:
+        return None
+    key, indices = first
+    target, pattern = transformers_rename(key)
+    parts = _INDEX.split(target)
+    try:
+        positions = [indices.index(i) for i in parts[1::2]]
+    except ValueError:  # an index the renaming made up or changed
+        return None
+    texts = parts[0::2]
+    for position in range(len(indices)):
+        other = next(((k, i) for k, i in members if i[position] != indices[position]), None)
+        if other is not None and \
+                transformers_rename(other[0]) != (_fill(texts, [other[1][j] for j in positions]), pattern):
+            return None
+    return texts, positions, pattern
+
+
+def _natural_sort(keys: list[str], split, dot_natural_key) -> None:
+    """Sort `keys` into transformers' natural key order. Keys of one template differ only in their indices, which
+    that order compares as integers, left to right."""
+    if len({split[k][0] for k in keys}) > 1:
+        keys.sort(key=dot_natural_key)
+    else:
+        keys.sort(key=lambda k: [int(i) for i in split[k][1]])
 
 
 def _compose(name, shape, groups, by_pattern, index, model_type) -> list[Piece]:

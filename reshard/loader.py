@@ -236,6 +236,7 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
             if check_checksums and (crc := file_crc32(path)) != expected[entry["name"]]:
                 problems.append(f"{entry['name']} is corrupt (CRC-32 {crc}, the manifest says "
                                 f"{expected[entry['name']]})")
+            problems += _header_problems(manifest, entry)
         except OSError as e:
             problems.append(f"{entry['name']} cannot be read ({e.strerror or e})")
     if problems:
@@ -247,14 +248,39 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
         if dtype is None:
             raise LoadError(f"{name} is {info['dtype']}, a safetensors dtype this loader cannot assemble in torch.")
         out[name] = torch.empty(info["shape"], dtype=dtype)
+    replicated_done = set()  # every coordinate holds a copy: read one
     for entry in manifest.files:
         with safe_open(manifest.path / entry["name"], framework="pt") as f:
-            for name, info in entry["tensors"].items():
-                if 0 in info["shape"]:
+            for chunk in manifest.chunks(entry):
+                if chunk.is_empty or chunk.name in replicated_done:
                     continue
-                region = tuple(slice(o, o + n) for o, n in zip(info["offsets"], info["shape"]))
-                out[name][region] = f.get_tensor(name)
+                if manifest.data["tensors"][chunk.name]["placement"]["kind"] == "replicated":
+                    replicated_done.add(chunk.name)
+                region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+                out[chunk.name][region] = f.get_tensor(chunk.name)
     return out
+
+
+def _header_problems(manifest: Manifest, entry: dict) -> list[str]:
+    """Where a file's header differs from the chunks the manifest derives for it."""
+    import json
+
+    from .checkpoint import read_header
+    from .manifest import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY
+
+    try:
+        header = read_header(manifest.path / entry["name"])
+        saved = json.loads(header.metadata.get(DCP_SHARDING_INFO_KEY) or "{}")
+    except (ReshardError, ValueError) as e:
+        return [str(e)]
+    shapes = {t.name: tuple(t.shape) for t in header.tensors}
+    problems = []
+    for chunk in manifest.chunks(entry):
+        offsets = saved.get(chunk.name, {}).get(SAVED_OFFSETS_KEY)
+        if shapes.get(chunk.name) != chunk.shape or offsets is None or tuple(offsets) != chunk.offsets:
+            problems.append(f"{entry['name']} does not hold {chunk.name} at offset {list(chunk.offsets)} with shape "
+                            f"{list(chunk.shape)}")
+    return problems
 
 
 def _load_whole(folder: Path, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):

@@ -68,10 +68,10 @@ def local_boxes(model) -> dict[str, tuple[object, tuple[int, ...], tuple[int, ..
 def plan_reads(model, manifest: Manifest, rank: int, *, checksums: bool) -> list[_FileReads] | str:
     """Which file each local shard of this rank comes from; a reason string when some shard has no exact chunk."""
     own = manifest.files_of_rank(rank)
-    chunks: dict[tuple, str] = {}  # (name, offsets, shape) -> file; this rank's own files win
-    for entry in sorted(manifest.files, key=lambda f: f["name"] not in own):
-        for name, info in entry["tensors"].items():
-            chunks.setdefault((name, tuple(info["offsets"]), tuple(info["shape"])), entry["name"])
+    chunks: dict[tuple, str] = {}  # (name, offsets, shape) -> file, for this rank's own files only
+    for file in own:
+        for chunk in manifest.chunks(manifest.file_entry(file)):
+            chunks[(chunk.name, chunk.offsets, chunk.shape)] = file
     wanted: dict[str, list[tuple[str, object, tuple[int, ...]]]] = {name: [] for name in own}
     placed: set[tuple] = set()  # (address, shape) of every local that is read
     unplaced = []

@@ -28,7 +28,7 @@ from .mesh import MeshSpec
 
 MANIFEST_NAME = "reshard.json"
 MANIFEST_FORMAT = "reshard"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: file entries name a run of `order`; chunks follow from placements
 SHARD_FILE = "shard-{coord:05d}-model-{part:05d}-of-{parts:05d}.safetensors"
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 DCP_VERSION_KEY = "DCP_VERSION"
@@ -49,8 +49,25 @@ def dcp_metadata(offsets: dict[str, list[int]]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One tensor's chunk in one file, derived from the manifest: its name, global offsets and local shape."""
+
+    name: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return 0 in self.shape
+
+
+@dataclass(frozen=True)
 class Manifest:
     """`reshard.json`, parsed. See README.md, "The manifest", for every field.
+
+    The manifest's size grows with tensors plus coordinates, not their product: a file entry names the run of
+    `order` it holds (`first`, `count`), and each chunk's offsets and shape follow from the tensor's placement and
+    the file's coordinate (`local_box`), computed here for the coordinates asked about only.
 
     Attributes:
         data: the whole JSON document.
@@ -70,11 +87,23 @@ class Manifest:
 
     def files_of_rank(self, rank: int) -> list[str]:
         """The files rank `rank` reads its shards from (its coordinate's files)."""
-        coord = self.mesh.shard_index(rank)
-        return [f["name"] for f in self.files if f["coord"] == coord]
+        return self.files_of_coord(self.mesh.shard_index(rank))
+
+    def files_of_coord(self, coord: int) -> list[str]:
+        return list(self.data["coords"][coord]["files"])
+
+    def file_entry(self, name: str) -> dict:
+        return next(f for f in self.files if f["name"] == name)
+
+    def chunks(self, entry: dict) -> list[Chunk]:
+        """The chunks file `entry` holds, in file order."""
+        return file_chunks(self.data, entry)
 
     def empty_of_rank(self, rank: int) -> list[str]:
-        return list(self.data["coords"][self.mesh.shard_index(rank)]["empty"])
+        """Tensors whose local is empty on `rank` (an explicit empty marker in its files)."""
+        coord = self.mesh.shard_index(rank)
+        return [c.name for name in self.files_of_coord(coord) for c in self.chunks(self.file_entry(name))
+                if c.is_empty]
 
     def files_for_ranks(self, ranks) -> list[str]:
         """Every file the ranks `ranks` need to load, relative to the folder: the manifest, the copied non-weight
@@ -83,14 +112,30 @@ class Manifest:
         Raises:
             MeshError: a rank outside the mesh.
         """
-        shard_names = {f["name"] for f in self.files}
-        copied = self.data.get("copied")
-        if copied is None:  # a manifest from before `copied` was recorded: every other file in the folder
-            copied = sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*")
-                            if p.is_file() and p.name != MANIFEST_NAME and p.name not in shard_names)
         coords = sorted({self.mesh.shard_index(r) for r in ranks})
-        shards = [f["name"] for c in coords for f in self.files if f["coord"] == c]
-        return [MANIFEST_NAME, *copied, *shards]
+        return [MANIFEST_NAME, *self.data["copied"], *(name for c in coords for name in self.files_of_coord(c))]
+
+
+def placement_of(info: dict):
+    """The `Placement` a manifest tensor entry records."""
+    from .plan import Kind, Placement
+
+    p = info["placement"]
+    return Placement(Kind(p["kind"]), p["shard_dim"], p["degree"], p["ep"])
+
+
+def file_chunks(data: dict, entry: dict) -> list[Chunk]:
+    """The chunks of one file entry of a manifest document (pure; O(tensors in the file))."""
+    from .plan import local_box
+
+    mesh = MeshSpec(**data["mesh"])
+    tensors = data["tensors"]
+    out = []
+    for name in data["order"][entry["first"]:entry["first"] + entry["count"]]:
+        info = tensors[name]
+        box = local_box(tuple(info["shape"]), placement_of(info), mesh, entry["coord"])
+        out.append(Chunk(name, tuple(o for o, _ in box), tuple(n for _, n in box)))
+    return out
 
 
 def read_manifest(folder: str | Path) -> Manifest:
@@ -108,6 +153,9 @@ def read_manifest(folder: str | Path) -> Manifest:
                            "did not finish). Write it again."]) from e
     except (OSError, ValueError) as e:
         raise VerifyError([f"{path}: unreadable manifest ({e})."]) from e
+    if data.get("format") == MANIFEST_FORMAT and data.get("version") == 1:
+        raise VerifyError([f"{path}: written by an earlier reshard (manifest version 1, which lists every chunk of "
+                           f"every file); this reshard reads version {MANIFEST_VERSION}. Write the folder again."])
     if data.get("format") != MANIFEST_FORMAT or data.get("version") != MANIFEST_VERSION:
         raise VerifyError([f"{path}: format {data.get('format')!r} version {data.get('version')!r}; this reshard "
                            f"reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}."])
@@ -125,32 +173,54 @@ def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
 
 
 def coverage_problems(data: dict) -> list[str]:
-    """Tensors the manifest's non-empty chunks do not tile exactly once; pure, O(chunks log chunks).
+    """What the manifest leaves uncovered or covers twice; pure, O(files + tensors + kinds x coordinates), where a
+    kind is a distinct (shape, placement) pair: a few dozen, however many layers.
 
-    Every layout reshard writes is a grid (each dim split on its own), so a tensor is covered exactly when, on every
-    dim, the distinct chunk intervals tile the dim, and the distinct chunks are all the cells of that grid. Identical
-    chunks are allowed only for replicated tensors (a full copy in every coordinate).
+    Two things make every byte land exactly once: each coordinate's files hold the runs of `order` that together
+    are all of it, once; and each tensor's chunks over the coordinates tile it. Every layout reshard writes is a grid
+    (each dim split on its own), so a tensor is tiled exactly when, on every dim, the distinct chunk intervals tile the
+    dim and the distinct chunks are all the cells of that grid. A replicated tensor is whole in every coordinate.
     """
-    boxes: dict[str, list[tuple]] = {name: [] for name in data["tensors"]}
+    mesh = MeshSpec(**data["mesh"])
+    order, problems = data["order"], []
+    runs: dict[int, list[tuple[int, int]]] = {c: [] for c in range(mesh.num_shard_groups)}
     for entry in data["files"]:
-        for name, info in entry["tensors"].items():
-            if name in boxes and 0 not in info["shape"]:
-                boxes[name].append(tuple(zip(info["offsets"], info["shape"])))
-    problems = []
-    for name, info in data["tensors"].items():
-        shape, found = info["shape"], boxes[name]
-        distinct = set(found)
-        if len(distinct) != len(found) and info["placement"]["kind"] != "replicated":
-            problems.append(f"{name}: a chunk is stored twice")
-        if 0 in shape:
-            continue  # nothing to cover
-        per_dim = [sorted({box[d] for box in distinct}) for d in range(len(shape))]
-        cells = math.prod(len(intervals) for intervals in per_dim)
-        if (not distinct or any(not _tiles(iv, n) for iv, n in zip(per_dim, shape)) or len(distinct) != cells):
-            covered = sum(math.prod(n for _, n in box) for box in distinct)
-            problems.append(f"{name}: the chunks do not tile the tensor {list(shape)} exactly once "
-                            f"({covered} of {math.prod(shape)} elements in {len(distinct)} distinct chunk(s))")
+        runs.setdefault(entry["coord"], []).append((entry["first"], entry["count"]))
+    for coord, found in runs.items():
+        if not _tiles(found, len(order)) or len(set(found)) != len(found):
+            problems.append(f"coordinate {coord}: its files hold tensors {sorted(found)} (first, count) of the "
+                            f"{len(order)} in order, not each exactly once")
+    by_kind: dict[tuple, str | None] = {}
+    for name in order:
+        info = data["tensors"][name]
+        kind = (tuple(info["shape"]), placement_of(info))
+        if kind not in by_kind:
+            by_kind[kind] = _tiling_problem(*kind, mesh)
+        if by_kind[kind]:
+            problems.append(f"{name}: {by_kind[kind]}")
     return problems
+
+
+def _tiling_problem(shape: tuple[int, ...], placement, mesh: MeshSpec) -> str | None:
+    """Whether a tensor's chunks over every coordinate tile it exactly once; what is wrong, or None."""
+    from .plan import Kind, local_box
+
+    boxes = [local_box(shape, placement, mesh, c) for c in range(mesh.num_shard_groups)]
+    if placement.kind is Kind.REPLICATED:
+        return None if set(boxes) == {tuple((0, n) for n in shape)} else "a replicated tensor is not whole everywhere"
+    filled = [box for box in boxes if 0 not in (n for _, n in box)]
+    distinct = set(filled)
+    if len(distinct) != len(filled):
+        return "a chunk is stored twice"
+    if 0 in shape:
+        return None  # nothing to cover
+    per_dim = [sorted({box[d] for box in distinct}) for d in range(len(shape))]
+    cells = math.prod(len(intervals) for intervals in per_dim)
+    if not distinct or any(not _tiles(iv, n) for iv, n in zip(per_dim, shape)) or len(distinct) != cells:
+        covered = sum(math.prod(n for _, n in box) for box in distinct)
+        return (f"the chunks do not tile the tensor {list(shape)} exactly once ({covered} of {math.prod(shape)} "
+                f"elements in {len(distinct)} distinct chunk(s))")
+    return None
 
 
 def file_crc32(path: str | Path) -> str:

@@ -17,6 +17,7 @@ d >= 1 that divides evenly by the shard degree, when the expert dim does not: ev
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -86,8 +87,13 @@ def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(per, size - start)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, shard_index: int) -> Box:
-    """The global region one fsdp coordinate holds of a tensor (see the module docstring for the rules)."""
+    """The global region one fsdp coordinate holds of a tensor (see the module docstring for the rules).
+
+    Cached: a model has a few dozen distinct (shape, placement) pairs however many layers, so a coordinate's chunk
+    list costs one lookup per tensor.
+    """
     box = [(0, n) for n in shape]
     if placement.kind is Kind.REPLICATED:
         return tuple(box)

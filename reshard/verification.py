@@ -14,24 +14,19 @@ from pathlib import Path
 
 from .checkpoint import DTYPE_BITS, read_checkpoint, read_header
 from .errors import MeshError, ReshardError, VerifyError
-from .manifest import DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, read_manifest
+from .manifest import DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problems, read_manifest
 from .write import COPY_BUFFER_BYTES, chunk_runs
-
-
-def _overlap(a, b) -> bool:
-    return all(ao < bo + bn and bo < ao + an for (ao, an), (bo, bn) in zip(a, b))
 
 
 def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = None, revision: str | None = None,
            checksums: bool = True, progress: bool | None = None) -> dict:
     """Check a `reshard write` folder; with `against`, compare every byte with the source checkpoint.
 
-    Checks: every manifest file exists with its size and CRC-32; each header matches the manifest (shapes, offsets,
-    `DCP_SHARDING_INFO`); every sharded tensor has one entry per coordinate (a chunk or an empty marker), the
-    non-empty chunks tile the tensor exactly once; each empty local is listed in the manifest; a replicated
-    tensor (a persistent buffer) is stored whole in every coordinate's files, or, as earlier writes store it, once
-    in coordinate 0's. With `against`: each chunk's bytes, every copy of a replicated tensor included, equal the
-    source's.
+    Checks: every manifest file exists with its size and CRC-32; each coordinate's files hold every tensor once (a
+    chunk, an explicit empty marker, or a whole copy of a replicated tensor); each header holds exactly the chunks
+    the manifest derives for it (shapes, offsets in `DCP_SHARDING_INFO`, empty markers counted); every sharded
+    tensor's non-empty chunks tile it exactly once. With `against`: each chunk's bytes, every copy of a replicated
+    tensor included, equal the source's.
 
     What this proves is the copying: that the bytes sit where the manifest says and equal the source bytes reshard's
     key mapping names. It does not prove that mapping right (which on-disk keys make which in-memory tensor); the
@@ -84,12 +79,12 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
 
     total = sum(entry["bytes"] for entry in data["files"]) if checksums else 0
     if against is not None:
-        total += sum(math.prod(info["shape"]) * DTYPE_BITS.get(tensors[name]["dtype"], 0) // 8
-                     for entry in data["files"] for name, info in entry["tensors"].items() if name in tensors)
+        total += sum(math.prod(c.shape) * DTYPE_BITS.get(tensors[c.name]["dtype"], 0) // 8
+                     for entry in data["files"] for c in manifest.chunks(entry))
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
                disable=None if progress is None else not progress)
     try:
-        compared, markers = _check(folder, data, mesh, against, revision, checksums, bar, problems, corrupt)
+        compared, markers = _check(manifest, against, revision, checksums, bar, problems, corrupt)
     finally:
         bar.close()
     problems = corrupt + problems
@@ -107,12 +102,19 @@ def _crc32(path: Path, buffer: bytearray, bar) -> str:
     return f"{crc:08x}"
 
 
-def _check(folder, data, mesh, against, revision, checksums, bar, problems, corrupt) -> tuple[int, int]:
-    """Every check of `verify`, appending to `problems` and `corrupt`; returns (bytes compared, empty markers)."""
-    tensors = data["tensors"]
+def _check(manifest, against, revision, checksums, bar, problems, corrupt) -> tuple[int, int]:
+    """Every check of `verify`, appending to `problems` and `corrupt`; returns (bytes compared, empty markers).
+
+    The manifest says which chunks each file holds (a run of `order`, each chunk's box following from the tensor's
+    placement and the file's coordinate): each header must hold exactly those, with the offsets in
+    `DCP_SHARDING_INFO`; `coverage_problems` shows they put every element somewhere exactly once.
+    """
+    folder, data = manifest.path, manifest.data
     buffer = bytearray(COPY_BUFFER_BYTES)
-    chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in tensors}
+    chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in data["tensors"]}
     headers = {}
+    markers = 0
+    problems += coverage_problems(data)
     for entry in data["files"]:
         path = folder / entry["name"]
         if not path.exists():
@@ -134,56 +136,26 @@ def _check(folder, data, mesh, against, revision, checksums, bar, problems, corr
         except ValueError:
             saved = {}
         by_name = {t.name: t for t in header.tensors}
-        if set(by_name) != set(entry["tensors"]):
-            problems.append(f"{entry['name']}: header holds {sorted(set(by_name) ^ set(entry['tensors']))[:3]} "
+        expected = manifest.chunks(entry)
+        if set(by_name) != {c.name for c in expected}:
+            problems.append(f"{entry['name']}: header holds {sorted(set(by_name) ^ {c.name for c in expected})[:3]} "
                             "differently from the manifest")
-        for name, info in entry["tensors"].items():
-            t = by_name.get(name)
+        if entry.get("empty_markers") != sum(c.is_empty for c in expected):
+            problems.append(f"{entry['name']}: the manifest counts {entry.get('empty_markers')} empty markers, its "
+                            f"chunks have {sum(c.is_empty for c in expected)}")
+        for chunk in expected:
+            t = by_name.get(chunk.name)
             if t is None:
                 continue
-            if list(t.shape) != info["shape"] or saved.get(name, {}).get(SAVED_OFFSETS_KEY) != info["offsets"]:
-                problems.append(f"{entry['name']}: {name} shape/offsets {list(t.shape)}/"
-                                f"{saved.get(name, {}).get(SAVED_OFFSETS_KEY)} differ from the manifest")
-            if name not in tensors:
-                problems.append(f"{entry['name']}: {name} is not a tensor of the manifest")
+            offsets = saved.get(chunk.name, {}).get(SAVED_OFFSETS_KEY)
+            if tuple(t.shape) != chunk.shape or offsets is None or tuple(offsets) != chunk.offsets:
+                problems.append(f"{entry['name']}: {chunk.name} shape/offsets {list(t.shape)}/{offsets} differ from "
+                                f"the manifest's {list(chunk.shape)}/{list(chunk.offsets)}")
                 continue
-            chunks[name].append((entry["coord"], tuple(zip(info["offsets"], info["shape"])), entry["name"]))
-    empty_listed = {(c["coord"], name) for c in data["coords"] for name in c["empty"]}
-    markers = 0
-    every_coord = list(range(mesh.num_shard_groups))
-    for name, info in tensors.items():
-        shape, found = info["shape"], chunks[name]
-        coords = sorted(c for c, _, _ in found)
-        if info["placement"]["kind"] == "replicated":
-            # A whole copy in every coordinate (each coordinate's files then hold all their ranks load), or in
-            # coordinate 0 alone (folders written before that); each copy is compared with the source.
-            if coords != every_coord and coords != [0]:
-                problems.append(f"{name}: stored for coordinates {coords}, expected a whole copy in each of "
-                                f"{every_coord}")
-            whole = tuple((0, n) for n in shape)
-            for coord, box, file in found:
-                if box != whole:
-                    problems.append(f"{file}: {name} holds {[list(b) for b in box]} (offset, length per dim), not "
-                                    f"the whole replicated tensor {shape}")
-            continue
-        if coords != every_coord:
-            problems.append(f"{name}: stored for coordinates {coords}, expected {every_coord}")
-        filled = []
-        for coord, box, _ in found:
-            if any(n == 0 for _, n in box):
+            if chunk.is_empty:
                 markers += 1
-                if (coord, name) not in empty_listed:
-                    problems.append(f"{name}: empty on rank coordinate {coord} but not listed as empty")
                 continue
-            if any(o < 0 or o + n > s for (o, n), s in zip(box, shape)):
-                problems.append(f"{name}: chunk {box} lies outside {shape}")
-            for other in filled:
-                if _overlap(box, other):
-                    problems.append(f"{name}: chunks {other} and {box} overlap")
-            filled.append(box)
-        covered = sum(math.prod(n for _, n in box) for box in filled)
-        if covered != math.prod(shape):
-            problems.append(f"{name}: chunks cover {covered} of {math.prod(shape)} elements")
+            chunks[chunk.name].append((entry["coord"], tuple(zip(chunk.offsets, chunk.shape)), entry["name"]))
     compared = 0
     if against is not None and not problems:
         compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar)

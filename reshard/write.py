@@ -31,13 +31,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from . import __version__
 from .checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry, is_metadata_file
 from .errors import OutputError
 from .layout import TargetTensor
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest, shard_file_name
-from .plan import Box, Kind, ReshardPlan, box_is_empty
+from .plan import Box, Kind, ReshardPlan, box_is_empty, local_box
 
 COPY_BUFFER_BYTES = 1 << 20  # 1 MiB: measured as fast as `cp` in the fallback loop; 16 MiB was 2.5x slower
 TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
@@ -106,29 +107,48 @@ def chunk_runs(tensor: TargetTensor, box: Box, entries: dict[str, TensorEntry]) 
     return runs
 
 
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One tensor's chunk in one output file."""
+class ChunkSpec(NamedTuple):
+    """One tensor's chunk in one output file (a named tuple: a coordinate's list has one per tensor, built often)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]  # the local shape (zeros for an empty marker)
     offsets: tuple[int, ...]  # global offsets, torch's convention for empty chunks
     nbytes: int
+    index: int  # the tensor's position in the plan (the manifest's `order`)
 
 
 def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, TargetTensor, Box]]:
     """What fsdp coordinate `coord` stores: a chunk or an empty marker of every sharded tensor, and a whole copy of
-    every replicated tensor (a persistent buffer), so each coordinate's files hold everything its ranks load."""
+    every replicated tensor (a persistent buffer), so each coordinate's files hold everything its ranks load.
+
+    O(tensors) for one coordinate; a tensor's chunk depends only on its kind, (shape, placement, dtype), of which a
+    model has a few dozen, so each kind's chunk is computed once per coordinate.
+    """
+    kinds, tensors = _kinds_of(plan)
+    per_kind = []  # (box, local shape, offsets, bytes) of each kind on this coordinate
+    for shape, placement, dtype in kinds:
+        box = local_box(shape, placement, plan.mesh, coord)
+        local = tuple(length for _, length in box)
+        per_kind.append((box, local, tuple(o for o, _ in box), math.prod(local) * DTYPE_BITS[dtype] // 8))
     out = []
-    for tp in plan.tensors:
-        box = tp.boxes(plan.mesh)[coord] if tp.planned.kind is not Kind.REPLICATED else tuple(
-            (0, n) for n in tp.tensor.shape)
-        shape = tuple(length for _, length in box)
-        nbytes = math.prod(shape) * DTYPE_BITS[tp.tensor.dtype] // 8
-        out.append((ChunkSpec(tp.tensor.name, tp.tensor.dtype, shape, tuple(o for o, _ in box), nbytes),
-                    tp.tensor, box))
+    for index, (tensor, kind) in enumerate(tensors):
+        box, local, offsets, nbytes = per_kind[kind]
+        out.append((ChunkSpec(tensor.name, tensor.dtype, local, offsets, nbytes, index), tensor, box))
     return out
+
+
+_last_kinds: list = [None, None]  # [plan, its kinds]: the writers ask for one plan's coordinates in turn
+
+
+def _kinds_of(plan: ReshardPlan) -> tuple[list[tuple], list[tuple[TargetTensor, int]]]:
+    """The plan's distinct (shape, placement, dtype) kinds, and each tensor (in plan order) with its kind's index."""
+    if _last_kinds[0] is not plan:
+        kinds: dict[tuple, int] = {}
+        tensors = [(tp.tensor, kinds.setdefault((tp.tensor.shape, tp.planned, tp.tensor.dtype), len(kinds)))
+                   for tp in plan.tensors]
+        _last_kinds[:] = [plan, (list(kinds), tensors)]
+    return _last_kinds[1]
 
 
 def split_parts(chunks: list, max_bytes: int | None) -> list[list]:
@@ -253,8 +273,10 @@ def _write_file(path: Path, items: list, copier: _Copier) -> dict:
         copier.copy(placed, out_fd, 0)
     finally:
         os.close(out_fd)
+    # The chunks are a run of the plan's order; their offsets and shapes follow from the placements (the manifest
+    # stays linear in tensors plus files, however many coordinates).
     return {"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc.result():08x}",
-            "tensors": {s.name: {"shape": list(s.shape), "offsets": list(s.offsets)} for s in specs}}
+            "first": specs[0].index, "count": len(specs), "empty_markers": sum(0 in s.shape for s in specs)}
 
 
 def _fsync_files(folder: Path) -> None:
@@ -413,28 +435,45 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLike, *, overwrite: bool = False,
-                 max_shard_size: int | None = None, progress: bool | None = None) -> dict:
-    """Write `plan` for the checkpoint `index` into the folder `out`.
+def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
+                      max_shard_size: int | None = None, progress=None, fsync: bool = False) -> list[dict]:
+    """Write the files of the fsdp coordinates `coords` into the folder `tmp` and return their manifest entries.
+
+    The one step every writer runs on its share: the in-process write (all coordinates), each worker process of
+    `--workers N` and each rank of a distributed write.
 
     Args:
-        plan: from `make_plan`.
-        index: the source checkpoint (local files: `read_checkpoint(..., need_data=True)`).
-        out: the output folder; must not exist unless `overwrite`, and then be empty or a reshard output.
+        coords: the coordinates to write, in order.
         max_shard_size: split each coordinate's data into files of at most this many bytes.
-        progress: show a byte progress bar (None: only on a terminal; False: never).
+        progress: an object whose `update(nbytes)` is told of every copied byte, or None.
+        fsync: flush each written file to disk before returning (a share whose writer reports to another process).
 
     Returns:
-        The manifest document written to `out/reshard.json`.
-
-    Raises:
-        OutputError: `out` exists (and is not replaceable), is or holds the source, another write to it is running,
-            it is not writable, or the disk is full (nothing partial is left).
-        CheckpointError: the source is not available locally.
-
-    Example:
-        >>> write_shards(plan, read_checkpoint("ckpt", need_data=True), "ckpt-fsdp8")  # doctest: +SKIP
+        One entry per file, `{"coord": c, ...}`, in coordinate then part order.
     """
+    copier = _Copier(index, progress)
+    files, paths = [], []
+    try:
+        for coord in coords:
+            parts = split_parts(coordinate_chunks(plan, coord), max_shard_size)  # one coordinate's list at a time
+            for part, items in enumerate(parts):
+                path = tmp / shard_file_name(coord, part, len(parts))
+                files.append({"coord": coord, **_write_file(path, items, copier)})
+                paths.append(path)
+    finally:
+        copier.close()
+    if fsync:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return files
+
+
+def _check_output(index: CheckpointIndex, out: str | os.PathLike, overwrite: bool) -> tuple[Path, list[str]]:
+    """The checks made before the lock is taken: the resolved OUT and the metadata files to copy beside the shards."""
     out = Path(out).resolve()
     for file in index.files:
         index.path_of(file.name)  # fails early for header-only (remote) sources
@@ -446,56 +485,110 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
     except OSError as e:
         raise OutputError(f"{out.parent}: cannot create it ({e.strerror or e}); choose a folder you can write "
                           "to.") from e
-    copied = [name for name in index.other_files if name != MANIFEST_NAME]
-    with _sigterm_as_interrupt(), _write_lock(out):
-        _clean_stale_temporaries(out)  # may put back an OUT a killed swap left aside: check it again
-        if os.path.lexists(out):
-            _check_replaceable(out, overwrite)
-        mesh = plan.mesh
-        coords = [coordinate_chunks(plan, c) for c in range(mesh.num_shard_groups)]
-        data = sum(spec.nbytes for chunks in coords for spec, _, _ in chunks)
-        total = data + sum((index.root / name).stat().st_size for name in copied)
-        free = shutil.disk_usage(out.parent).free
-        if free < total:
-            raise OutputError(f"{out.parent}: {free / 2**30:.2f} GiB free, the output needs {total / 2**30:.2f} GiB. "
-                              "Free space or write elsewhere.")
-        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
-        from tqdm.auto import tqdm
+    return out, [name for name in index.other_files if name != MANIFEST_NAME]
 
-        bar = tqdm(total=data, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard write",
-                   disable=None if progress is None else not progress)
-        copier = _Copier(index, bar)
+
+def _claim_output(plan: ReshardPlan, index: CheckpointIndex, out: Path, overwrite: bool, copied: list[str]):
+    """Under the write lock: clean up earlier writes, check OUT again and the free space.
+
+    Returns:
+        (each coordinate's bytes of shard data, their sum, the bytes of the whole output, the temporary folder).
+    """
+    _clean_stale_temporaries(out)  # may put back an OUT a killed swap left aside: check it again
+    if os.path.lexists(out):
+        _check_replaceable(out, overwrite)
+    sizes = coordinate_sizes(plan)  # chunk lists are built one coordinate at a time, as its files are written
+    data = sum(sizes)
+    total = data + sum((index.root / name).stat().st_size for name in copied)
+    free = shutil.disk_usage(out.parent).free
+    if free < total:
+        raise OutputError(f"{out.parent}: {free / 2**30:.2f} GiB free, the output needs {total / 2**30:.2f} GiB. "
+                          "Free space or write elsewhere.")
+    return sizes, data, total, out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
+
+
+def _progress_bar(total: int, progress: bool | None):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard write",
+                disable=None if progress is None else not progress)
+
+
+def _finish(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, out: Path, files: list[dict],
+            copied: list[str], overwrite: bool) -> dict:
+    """Complete the temporary folder (copied files, fsync, the manifest last) and put it in place as OUT."""
+    for name in copied:
+        shutil.copy2(index.root / name, tmp / name)
+    _fsync_files(tmp)
+    manifest = _manifest(plan, index, files)
+    with open(tmp / MANIFEST_NAME, "w") as f:
+        f.write(dump_manifest(manifest))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    _replace(tmp, out, overwrite)
+    return manifest
+
+
+def _output_error(e: OSError, out: Path, total: int) -> OutputError:
+    """The error a write reports for `e`, once its temporary folder is gone."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
+                           f"The output needs {total / 2**30:.2f} GiB.")
+    if isinstance(e, OutputError):
+        return e
+    return OutputError(f"{out}: write failed ({e}); nothing was kept.")
+
+
+def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLike, *, overwrite: bool = False,
+                 max_shard_size: int | None = None, progress: bool | None = None, workers: int | None = 1) -> dict:
+    """Write `plan` for the checkpoint `index` into the folder `out`.
+
+    Args:
+        plan: from `make_plan`.
+        index: the source checkpoint (local files: `read_checkpoint(..., need_data=True)`).
+        out: the output folder; must not exist unless `overwrite`, and then be empty or a reshard output.
+        max_shard_size: split each coordinate's data into files of at most this many bytes.
+        progress: show a byte progress bar (None: only on a terminal; False: never).
+        workers: processes writing shares of the coordinates' files in parallel (`reshard.parallel`); 1 writes in
+            this process; None picks `reshard.parallel.default_workers`. With more than 1, a script calling this
+            needs the `if __name__ == "__main__":` guard (workers are spawned). The output is the same either way.
+
+    Returns:
+        The manifest document written to `out/reshard.json`.
+
+    Raises:
+        OutputError: `out` exists (and is not replaceable), is or holds the source, another write to it is running,
+            it is not writable, the disk is full, or a worker failed (nothing partial is left).
+        CheckpointError: the source is not available locally.
+
+    Example:
+        >>> write_shards(plan, read_checkpoint("ckpt", need_data=True), "ckpt-fsdp8")  # doctest: +SKIP
+    """
+    out, copied = _check_output(index, out, overwrite)
+    with _sigterm_as_interrupt(), _write_lock(out):
+        sizes, data, total, tmp = _claim_output(plan, index, out, overwrite, copied)
+        if workers is None or workers > 1:
+            from .parallel import default_workers, write_with_workers
+
+            workers = default_workers(data, len(sizes)) if workers is None else min(workers, len(sizes))
+        bar = _progress_bar(data, progress)
         try:
             tmp.mkdir()
-            files = []
-            for coord, chunks in enumerate(coords):
-                parts = split_parts(chunks, max_shard_size)
-                for part, items in enumerate(parts):
-                    entry = _write_file(tmp / shard_file_name(coord, part, len(parts)), items, copier)
-                    files.append({"coord": coord, **entry})
-            for name in copied:
-                shutil.copy2(index.root / name, tmp / name)
-            _fsync_files(tmp)
-            manifest = _manifest(plan, index, files, coords)
-            with open(tmp / MANIFEST_NAME, "w") as f:
-                f.write(dump_manifest(manifest))
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            _replace(tmp, out, overwrite)
+            if workers > 1:
+                files = write_with_workers(plan, index, tmp, sizes, workers, max_shard_size=max_shard_size,
+                                           progress=bar)
+            else:
+                files = write_coordinates(plan, index, tmp, range(len(sizes)), max_shard_size=max_shard_size,
+                                          progress=bar)
+            manifest = _finish(plan, index, tmp, out, files, copied, overwrite)
         except OSError as e:
             _discard(out, tmp)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
-                                  f"The output needs {total / 2**30:.2f} GiB.") from e
-            if isinstance(e, OutputError):
-                raise
-            raise OutputError(f"{out}: write failed ({e}); nothing was kept.") from e
+            raise _output_error(e, out, total) from e
         except BaseException:
             _discard(out, tmp)
             raise
         finally:
-            copier.close()
             bar.close()
     return manifest
 
@@ -609,8 +702,24 @@ def _placement_dict(p) -> dict:
             "placements": p.describe()}
 
 
-def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict], coords: list) -> dict:
+def coordinate_sizes(plan: ReshardPlan) -> list[int]:
+    """Bytes of shard data each coordinate's files hold, in O(tensors + kinds x coordinates): a tensor's chunk size
+    depends only on its kind (see `coordinate_chunks`), so no coordinate's chunk list is built."""
+    kinds, tensors = _kinds_of(plan)
+    members = [0] * len(kinds)
+    for _, kind in tensors:
+        members[kind] += 1
+    return [sum(count * math.prod(n for _, n in local_box(shape, placement, plan.mesh, coord)) * DTYPE_BITS[dtype] // 8
+                for (shape, placement, dtype), count in zip(kinds, members))
+            for coord in range(plan.mesh.num_shard_groups)]
+
+
+def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> dict:
+    """The manifest document for the written `files` (their entries, every coordinate's, in any order)."""
     mesh = plan.mesh
+    by_coord: dict[int, list[dict]] = {c: [] for c in range(mesh.num_shard_groups)}
+    for entry in sorted(files, key=lambda f: (f["coord"], f["first"])):
+        by_coord[entry["coord"]].append(entry)
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -631,12 +740,12 @@ def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict], coor
                              "stock_placement": _placement_dict(tp.stock)}
             for tp in plan.tensors
         },
+        "order": [tp.tensor.name for tp in plan.tensors],  # file entries name runs of it (`first`, `count`)
         "coords": [
             {"coord": c, "ranks": [r * mesh.fsdp + c for r in range(mesh.dp_replicate)],
-             "files": [f["name"] for f in files if f["coord"] == c],
-             "empty": sorted(spec.name for spec, _, _ in chunks if 0 in spec.shape)}
-            for c, chunks in enumerate(coords)
+             "files": [f["name"] for f in entries], "empty_markers": sum(f["empty_markers"] for f in entries)}
+            for c, entries in by_coord.items()
         ],
-        "files": files,
+        "files": [entry for c in by_coord for entry in by_coord[c]],
         "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
     }

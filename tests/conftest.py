@@ -71,3 +71,26 @@ def run_ranks(script: str, nproc: int, *args: str, timeout: float = 180, env: di
 def rank_reports(folder: Path, nproc: int) -> list[dict]:
     """The JSON each rank script wrote to `folder/rank{r}.json`."""
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def two_file_source(src: Path, dest: Path) -> tuple[Path, list[str]]:
+    """`src` (a one-file tiny checkpoint) re-saved into `dest` as two safetensors files plus
+    `model.safetensors.index.json`, with its config files; returns `dest` and the two file names."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dest.mkdir()
+    with safe_open(src / "model.safetensors", framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    keys = sorted(tensors)
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    halves = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
+    for name, part in zip(names, halves):
+        save_file({k: tensors[k] for k in part}, dest / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, part in zip(names, halves) for k in part}}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    for other in ("config.json", "generation_config.json"):
+        shutil.copy2(src / other, dest / other)
+    return dest, names

@@ -68,6 +68,25 @@ def test_model_type_plans_writes_verifies_and_loads(matrix, model_type, layout):
         assert result.stock_empty  # the uneven mesh really did leave stock expert ranks empty
 
 
+@pytest.mark.parametrize("model_type, layout", [c for c in _cases() if c.values[1] is not None])
+def test_fast_layout_equals_full_layout_on_the_saved_checkpoint(matrix, model_type, layout):
+    """On what `save_pretrained` wrote, renaming one key per template gives the layout renaming every key gives
+    (with more layers than layer kinds: tests/test_layout_fast.py)."""
+    from reshard.checkpoint import read_checkpoint
+    from reshard.errors import ReshardError
+    from reshard.experts import build_meta_model, layout_from_model
+
+    index = read_checkpoint(matrix.source(model_type, layout) or matrix.source(model_type, "original"))
+    model = build_meta_model(index.config)
+    layouts = []
+    for by_template in (False, True):
+        try:
+            layouts.append(layout_from_model(model, index, by_template=by_template))
+        except ReshardError as e:
+            layouts.append(f"{type(e).__name__}: {e}")
+    assert layouts[1] == layouts[0]
+
+
 def test_discovery_finds_the_known_families_and_every_tiny_entry():
     found = {c.model_type: c for c in CANDIDATES}
     for model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text",

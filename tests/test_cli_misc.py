@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import MeshError, VerifyError
-from reshard.manifest import dcp_metadata
+from reshard.manifest import dcp_metadata, file_chunks
 from reshard.mesh import MeshSpec
 from reshard.verification import verify
 
@@ -47,8 +47,8 @@ def glm(tiny, tmp_path) -> tuple[Path, Path]:
 
 def chunk_bytes(manifest: dict) -> int:
     """Bytes of every chunk in every file, each copy of a replicated tensor included."""
-    return sum(math.prod(info["shape"]) * ITEMSIZE[manifest["tensors"][name]["dtype"]]
-               for entry in manifest["files"] for name, info in entry["tensors"].items())
+    return sum(math.prod(c.shape) * ITEMSIZE[manifest["tensors"][c.name]["dtype"]]
+               for entry in manifest["files"] for c in file_chunks(manifest, entry))
 
 
 # ---- exit codes ------------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_write_json(tiny, tmp_path):
                    "tensors": len(manifest["tensors"]), "empty_markers": 12, "layout": "stock",
                    "mesh": {"fsdp": 4, "ep": 1, "dp_replicate": 1, "tp": 1, "pp": 1},
                    "distributed_config": {"fsdp_size": 4}}
-    assert sum(len(c["empty"]) for c in manifest["coords"]) == 12  # 6 tensors empty on coordinates 2 and 3
+    assert [c["empty_markers"] for c in manifest["coords"]] == [0, 0, 6, 6]  # 6 tensors empty on 2 and 3
 
 
 def test_verify_json_passes_and_fails(glm):
@@ -215,8 +215,8 @@ def test_verify_bar_is_off_with_quiet_and_left_to_the_terminal_otherwise(glm, ba
 # ---- replicated tensors ----------------------------------------------------------------------------------------
 
 def rewrite(out: Path, name: str, edit) -> None:
-    """Rewrite shard `name` of `out` after `edit(tensors, offsets)` changed its contents; keep the manifest true
-    (size, CRC-32, tensors), so only what verify checks beyond them can find a problem."""
+    """Rewrite shard `name` of `out` after `edit(tensors, offsets)` changed its contents; keep the manifest's size
+    and CRC-32 true, so only what verify checks beyond them can find a problem."""
     path, manifest_path = out / name, out / "reshard.json"
     with safe_open(path, framework="pt") as f:
         info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
@@ -226,33 +226,25 @@ def rewrite(out: Path, name: str, edit) -> None:
     save_file(tensors, path, metadata=dcp_metadata(offsets))
     manifest = json.loads(manifest_path.read_text())
     entry = next(e for e in manifest["files"] if e["name"] == name)
-    entry.update(bytes=path.stat().st_size, crc32=f"{zlib.crc32(path.read_bytes()):08x}",
-                 tensors={k: {"shape": list(t.shape), "offsets": offsets[k]} for k, t in tensors.items()})
+    entry.update(bytes=path.stat().st_size, crc32=f"{zlib.crc32(path.read_bytes()):08x}")
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def replicated_in(out: Path, coords: set[int]) -> dict[str, str]:
-    """Store every replicated tensor whole in the first file of exactly `coords` (whatever `write` did); return
-    each coordinate's first file."""
+    """Keep every replicated tensor whole in the first file of exactly `coords` (dropping the copies `write` put in
+    the others); return each coordinate's first file."""
     manifest = json.loads((out / "reshard.json").read_text())
     names = [n for n, t in manifest["tensors"].items() if t["placement"]["kind"] == "replicated"]
-    whole = {}
-    for entry in manifest["files"]:
-        with safe_open(out / entry["name"], framework="pt") as f:
-            whole.update({n: f.get_tensor(n) for n in names if n in f.keys()})
-    assert names and set(whole) == set(names), "the fixture has no replicated tensor to test with"
+    assert names, "the fixture has no replicated tensor to test with"
     firsts = {c["coord"]: c["files"][0] for c in manifest["coords"]}
 
-    def place(coord):
-        def edit(tensors, offsets):
-            for n, t in whole.items():
-                tensors.pop(n, None), offsets.pop(n, None)
-                if coord in coords:
-                    tensors[n], offsets[n] = t, [0] * t.dim()
-        return edit
+    def drop(tensors, offsets):
+        for n in names:
+            tensors.pop(n), offsets.pop(n)
 
     for coord, name in firsts.items():
-        rewrite(out, name, place(coord))
+        if coord not in coords:
+            rewrite(out, name, drop)
     return firsts
 
 
@@ -261,13 +253,12 @@ def replicated_names(out: Path) -> list[str]:
     return [n for n, t in manifest["tensors"].items() if t["placement"]["kind"] == "replicated"]
 
 
-@pytest.mark.parametrize("coords", [{0, 1, 2, 3}, {0}], ids=["every-coordinate", "coordinate-0-alone"])
-def test_verify_accepts_a_whole_replicated_copy_per_coordinate(glm, coords):
+def test_verify_compares_every_replicated_copy(glm):
     src, out = glm
-    replicated_in(out, coords)
     manifest = json.loads((out / "reshard.json").read_text())
-    for name in replicated_names(out):
-        assert sorted(e["coord"] for e in manifest["files"] if name in e["tensors"]) == sorted(coords)
+    for name in replicated_names(out):  # a whole copy in every coordinate's first file
+        assert sorted(e["coord"] for e in manifest["files"]
+                      if name in {c.name for c in file_chunks(manifest, e)}) == [0, 1, 2, 3]
     summary = verify(out, against=src)
     assert summary["bytes_compared"] == chunk_bytes(manifest)  # every copy compared with the source
 
@@ -293,15 +284,14 @@ def test_verify_rejects_a_replicated_tensor_in_some_coordinates_or_in_part(glm):
     name = replicated_names(out)[0]
     with pytest.raises(VerifyError) as info:
         verify(out)
-    assert info.value.problems == [f"{name}: stored for coordinates [0, 1], expected a whole copy in each of "
-                                   "[0, 1, 2, 3]"]
+    assert info.value.problems == [f"{firsts[c]}: header holds [{name!r}] differently from the manifest"
+                                   for c in (2, 3)]
 
     def halve(tensors, offsets):
         tensors[name] = tensors[name][:5].clone()
 
-    replicated_in(out, {0, 1, 2, 3})
+    write_checkpoint(src, out, MESH, overwrite=True, progress=False)  # every copy back
     rewrite(out, firsts[3], halve)
     with pytest.raises(VerifyError) as info:
         verify(out)
-    assert info.value.problems == [f"{firsts[3]}: {name} holds [[0, 5]] (offset, length per dim), not the whole "
-                                   "replicated tensor [10]"]
+    assert info.value.problems == [f"{firsts[3]}: {name} shape/offsets [5]/[0] differ from the manifest's [10]/[0]"]

@@ -388,28 +388,31 @@ def test_the_whole_model_path_checks_checksums_and_coverage(tiny, tmp_path):
     victim.write_bytes(bytes(data))
     manifest = json.loads((out / "reshard.json").read_text())
     entry = next(f for f in manifest["files"] if f["name"] == victim.name)
-    name, info = next((n, i) for n, i in entry["tensors"].items() if 0 not in i["shape"] and "experts" in n)
-    del entry["tensors"][name]  # the manifest no longer says where this chunk is: a gap
+    entry["count"] -= 1  # the manifest no longer says where the file's last chunk is: a gap
     (out / "reshard.json").write_text(json.dumps(manifest))
-    with pytest.raises(reshard.LoadError, match=f"{name}: the chunks do not tile the tensor"):
+    with pytest.raises(reshard.LoadError, match="coordinate 1: its files hold tensors"):
         reshard.from_pretrained(out)
 
 
-def test_coverage_check_finds_gaps_overlaps_and_duplicates():
+def test_coverage_check_finds_gaps_and_duplicates():
     from reshard.manifest import coverage_problems
 
-    def doc(chunks, kind="sharded"):
-        files = [{"name": f"f{i}", "coord": i, "tensors": {"t": {"offsets": list(o), "shape": list(s)}}}
-                 for i, (o, s) in enumerate(chunks)]
-        return {"tensors": {"t": {"shape": [4, 6], "placement": {"kind": kind}}}, "files": files}
+    def doc(runs, *, degree=2, kind="expert"):
+        """fsdp 4 x ep 2 (efsdp 2): one [6, 6] expert tensor and a replicated buffer; `runs[c]`: coordinate c's files
+        as (first, count) runs of `order`."""
+        placement = {"kind": kind, "shard_dim": 0, "degree": degree, "ep": 2}
+        return {"mesh": {"fsdp": 4, "ep": 2, "dp_replicate": 1, "tp": 1, "pp": 1}, "order": ["t", "bias"],
+                "tensors": {"t": {"shape": [6, 6], "placement": placement},
+                            "bias": {"shape": [6], "placement": {"kind": "replicated", "shard_dim": None,
+                                                                 "degree": 1, "ep": 1}}},
+                "files": [{"coord": c, "first": f, "count": n} for c, found in enumerate(runs) for f, n in found]}
 
-    assert coverage_problems(doc([((0, 0), (2, 6)), ((2, 0), (2, 6))])) == []
-    assert coverage_problems(doc([((0, 0), (4, 3)), ((0, 3), (4, 3)), ((4, 0), (0, 6))])) == []  # + empty marker
-    assert coverage_problems(doc([((0, 0), (2, 6))]))  # half missing
-    assert coverage_problems(doc([((0, 0), (3, 6)), ((2, 0), (2, 6))]))  # overlap
-    assert coverage_problems(doc([((0, 0), (2, 3)), ((2, 3), (2, 3)), ((0, 3), (2, 3))]))  # one grid cell missing
-    assert coverage_problems(doc([((0, 0), (4, 6)), ((0, 0), (4, 6))]))  # stored twice
-    assert coverage_problems(doc([((0, 0), (4, 6)), ((0, 0), (4, 6))], kind="replicated")) == []
+    whole = [[(0, 2)]] * 4
+    assert coverage_problems(doc(whole)) == []
+    assert coverage_problems(doc([[(0, 1), (1, 1)]] * 4)) == []  # two files per coordinate
+    assert coverage_problems(doc([[(0, 1)]] + whole[1:]))  # coordinate 0 lacks the buffer
+    assert coverage_problems(doc([[(0, 2), (0, 2)]] + whole[1:]))  # stored twice
+    assert coverage_problems(doc(whole, degree=4))  # each EP group's 3 rows chunked as if over 4: a row missing
 
 
 def test_the_patched_materialization_moves_a_real_buffer_to_the_target_device(tiny):

@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
+from reshard.manifest import file_chunks
 from reshard.mesh import MeshSpec
 from reshard.plan import chunk
 from reshard.verification import verify
@@ -156,8 +157,10 @@ def check_independently(src: Path, out: Path, mesh: MeshSpec, mode: str, manifes
             f"{name}: elements written {int(count.min())}..{int(count.max())} times, expected exactly once"
         assert torch.equal(full, ref), f"{name}: assembled shards differ from the reference"
     assert found_empty == expected_empty
-    listed = {(c["coord"], name) for c in manifest["coords"] for name in c["empty"]}
+    listed = {(f["coord"], c.name) for f in manifest["files"] for c in file_chunks(manifest, f) if c.is_empty}
     assert listed == expected_empty
+    assert [c["empty_markers"] for c in manifest["coords"]] == \
+        [sum(1 for coord, _ in expected_empty if coord == c) for c in range(mesh.fsdp)]
     roles = {name: t["role"] for name, t in manifest["tensors"].items()}
     assert {n for n, r in roles.items() if r == "expert"} == {n for n in state if is_routed_expert(n)}
 
@@ -177,7 +180,7 @@ def test_write_matches_reference(tiny, tmp_path, model_type, experts, fused, mes
     state, buffers = reference(src)
     copies = {name: mesh.fsdp if name in buffers or t.dim() == 0 else 1 for name, t in state.items()}
     assert summary["bytes_compared"] == sum(t.numel() * t.element_size() * copies[n] for n, t in state.items())
-    assert summary["empty_markers"] == sum(len(c["empty"]) for c in manifest["coords"])
+    assert summary["empty_markers"] == sum(c["empty_markers"] for c in manifest["coords"])
     check_independently(src, out, mesh, mode, manifest)
 
 
@@ -271,10 +274,10 @@ def test_golden_layout(tiny, tmp_path):
     manifest = json.loads(text)
     assert text == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     assert set(manifest) == {"format", "version", "tool", "source", "mesh", "distributed_config", "layout",
-                             "tensors", "coords", "files", "copied"}
+                             "tensors", "coords", "files", "copied", "order"}
     assert manifest["copied"] == sorted(p.name for p in out.iterdir() if p.name != "reshard.json"
                                         and not p.name.startswith("shard-"))
-    assert (manifest["format"], manifest["version"], manifest["layout"]) == ("reshard", 1, "stock")
+    assert (manifest["format"], manifest["version"], manifest["layout"]) == ("reshard", 2, "stock")
     assert manifest["tool"].startswith("reshard ")
     assert manifest["mesh"] == {"fsdp": 4, "ep": 1, "dp_replicate": 1, "tp": 1, "pp": 1}
     assert manifest["distributed_config"] == {"fsdp_size": 4}
@@ -282,8 +285,9 @@ def test_golden_layout(tiny, tmp_path):
     assert manifest["source"]["model_type"] == "qwen3_moe"
     assert set(manifest["source"]["header_sha256"]) == {"model.safetensors"}
     assert manifest["coords"] == [
-        {"coord": c, "ranks": [c], "files": [shard_names[c]], "empty": QWEN_EMPTY_ON_2_AND_3 if c >= 2 else []}
-        for c in range(4)]
+        {"coord": c, "ranks": [c], "files": [shard_names[c]], "empty_markers": len(QWEN_EMPTY_ON_2_AND_3) if c >= 2
+         else 0} for c in range(4)]
+    assert sorted(manifest["order"]) == sorted(manifest["tensors"])
     gate_up = manifest["tensors"]["model.layers.0.mlp.experts.gate_up_proj"]
     assert gate_up == {"shape": [2, 48, 64], "dtype": "F32", "role": "expert", "is_param": True,
                        "placement": {"kind": "dense", "shard_dim": 0, "degree": 4, "ep": 1,
@@ -292,13 +296,15 @@ def test_golden_layout(tiny, tmp_path):
                                            "placements": "Shard(0) on fsdp"}}
     assert [f["name"] for f in manifest["files"]] == shard_names
     for entry in manifest["files"]:
-        assert set(entry) == {"coord", "name", "bytes", "crc32", "tensors"}
+        assert set(entry) == {"coord", "name", "bytes", "crc32", "first", "count", "empty_markers"}
+        assert (entry["first"], entry["count"]) == (0, len(manifest["order"]))  # one file per coordinate: all
         data = (out / entry["name"]).read_bytes()
         assert entry["bytes"] == len(data) and entry["crc32"] == f"{zlib.crc32(data):08x}"
         header = raw_header(out / entry["name"])
         info = json.loads(header.pop("__metadata__")["DCP_SHARDING_INFO"])
-        assert entry["tensors"] == {n: {"shape": h["shape"], "offsets": info[n]["saved_offsets"]}
-                                    for n, h in header.items()}
+        assert list(header) == manifest["order"]  # the file holds the run of `order` its entry names, in order
+        assert {c.name: {"shape": list(c.shape), "offsets": list(c.offsets)} for c in file_chunks(manifest, entry)} \
+            == {n: {"shape": h["shape"], "offsets": info[n]["saved_offsets"]} for n, h in header.items()}
 
 
 def test_max_shard_size_splits_coordinates(tiny, tmp_path):
@@ -391,12 +397,32 @@ def test_verify_missing_file(written):
     assert all(f.count("FAIL") == 1 for f in fails)
 
 
-def test_verify_unlisted_empty_marker(written):
+def test_verify_miscounted_empty_markers_and_a_missing_run(written):
     src, out = written
     path = out / "reshard.json"
     manifest = json.loads(path.read_text())
-    dropped = manifest["coords"][3]["empty"].pop(0)
+    entry = manifest["files"][3]
+    entry["empty_markers"] -= 1
     path.write_text(json.dumps(manifest))
     result, fails = run_verify(out)
     assert result.exit_code == 1
-    assert fails == [f"FAIL {dropped}: empty on rank coordinate 3 but not listed as empty"], result.output
+    assert len(fails) == 1 and fails[0].startswith(f"FAIL {entry['name']}: the manifest counts"), result.output
+    entry["empty_markers"] += 1
+    entry["count"] -= 1  # the file still holds the last tensor, the manifest no longer says so: a gap
+    path.write_text(json.dumps(manifest))
+    result, fails = run_verify(out)
+    assert result.exit_code == 1
+    assert any(f.startswith("FAIL coordinate 3: its files hold tensors") for f in fails), result.output
+    assert any(f.startswith(f"FAIL {entry['name']}: header holds") for f in fails), result.output
+
+
+@pytest.mark.parametrize("mesh", [MeshSpec(fsdp=5), MeshSpec(fsdp=8, ep=2), MeshSpec(fsdp=4, dp_replicate=2)],
+                         ids=["fsdp5", "fsdp8-ep2", "hsdp"])
+def test_coordinate_sizes_equal_the_chunk_lists(tiny, mesh):
+    """The sizes a write balances and checks free space with, computed by tensor kind, equal each coordinate's chunks."""
+    from reshard.api import plan_checkpoint
+    from reshard.write import coordinate_chunks, coordinate_sizes
+
+    plan = plan_checkpoint(tiny("glm4_moe"), mesh)
+    assert coordinate_sizes(plan) == [sum(spec.nbytes for spec, _, _ in coordinate_chunks(plan, c))
+                                      for c in range(mesh.num_shard_groups)]

@@ -31,6 +31,8 @@ from reshard.errors import CheckpointError, OutputError
 from reshard.mesh import MeshSpec
 from reshard.verification import verify
 
+from conftest import two_file_source
+
 REPO = Path(__file__).resolve().parents[1]
 MESH = MeshSpec(fsdp=4)
 
@@ -103,23 +105,6 @@ def test_corrupt_source_header(tiny, tmp_path):
     result = write_cli(src, out, "--fsdp", "4")
     assert result.exit_code == 1 and "model.safetensors" in result.output and "Traceback" not in result.output
     assert_nothing_left(out)
-
-
-def two_file_source(src: Path, dest: Path) -> tuple[Path, list[str]]:
-    """`src` re-saved as two safetensors files plus `model.safetensors.index.json`."""
-    dest.mkdir()
-    with safe_open(src / "model.safetensors", framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    keys = sorted(tensors)
-    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    halves = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
-    for name, part in zip(names, halves):
-        save_file({k: tensors[k] for k in part}, dest / name, metadata={"format": "pt"})
-    index = {"metadata": {}, "weight_map": {k: name for name, part in zip(names, halves) for k in part}}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
-    for other in ("config.json", "generation_config.json"):
-        shutil.copy2(src / other, dest / other)
-    return dest, names
 
 
 def test_missing_source_shard(tiny, tmp_path):

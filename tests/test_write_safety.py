@@ -39,6 +39,8 @@ from reshard.errors import CheckpointError, OutputError
 from reshard.mesh import MeshSpec
 from reshard.verification import verify
 
+from conftest import two_file_source
+
 REPO = Path(__file__).resolve().parents[1]
 MESH = MeshSpec(fsdp=4)
 OLD_MESH = MeshSpec(fsdp=2)
@@ -148,23 +150,6 @@ def test_free_space_check_counts_the_copied_files(tiny, tmp_path, monkeypatch):
 COMMIT = "c" * 40
 
 
-def sharded_copy(src: Path, dest: Path) -> list[str]:
-    """`src` re-saved as two safetensors files and an index; returns the file names."""
-    dest.mkdir()
-    with safe_open(src / "model.safetensors", framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    keys = sorted(tensors)
-    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    halves = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
-    for name, part in zip(names, halves):
-        save_file({k: tensors[k] for k in part}, dest / name, metadata={"format": "pt"})
-    weight_map = {k: name for name, part in zip(names, halves) for k in part}
-    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    for other in ("config.json", "generation_config.json"):
-        shutil.copy2(src / other, dest / other)
-    return names
-
-
 class FakeHub:
     """Stands in for `huggingface_hub.snapshot_download`: filters a local "repo" with huggingface-hub's own pattern
     matcher into `snapshots/<commit>/`, and records every call's patterns."""
@@ -207,7 +192,7 @@ def test_hub_write_downloads_only_the_indexed_weights_and_metadata(tiny, tmp_pat
     src = tiny("qwen3_moe", experts=2)
     repo = tmp_path / "repo"
     if sharded:
-        weights = sharded_copy(src, repo)
+        _, weights = two_file_source(src, repo)
     else:
         shutil.copytree(src, repo)
         weights = ["model.safetensors"]

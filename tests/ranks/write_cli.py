@@ -1,0 +1,100 @@
+"""Run `reshard write` commands the way `python -m reshard` does, in order, in this process, with faults injected.
+
+usage: write_cli.py CASES_JSON REPORT_DIR
+CASES_JSON: a list of {"argv": [...], "fault": "..."}: the arguments after `reshard`, where `{rank}` becomes this
+process's RANK (one SRC per node), and an optional fault. Each command's exit code and stderr go to
+REPORT_DIR/case{i}-rank{r}.json; the script goes on with the next command after a failure (a distributed write that
+fails, fails on every rank together, so the ranks stay in step) and exits 0 once all ran, but exits at once with the
+code of a command interrupted by a signal (130, 143).
+
+Faults hit the process writing coordinate C, when it starts that coordinate's first file:
+  enospc:C             raise OSError(ENOSPC), as a full disk does
+  kill:C[:MARKER]      SIGKILL itself (after writing the time to MARKER)
+  sleep:C:MARKER       write the file, create MARKER, then sleep 120 s (the test stops the write meanwhile)
+
+RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.parallel.STALE_S).
+
+The patch is made at import, outside the main guard: `--workers` processes are spawned and import this script as
+`__mp_main__`, so they get it too (the fault is passed to them in RESHARD_TEST_FAULT).
+"""
+
+import contextlib
+import errno
+import io
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import reshard.parallel
+import reshard.write
+
+_stock_write_file = reshard.write._write_file
+_stock_progress_bar = reshard.parallel._progress_bar
+bars = []
+
+
+def _faulty_write_file(path, items, copier):
+    fault = os.environ.get("RESHARD_TEST_FAULT", "")
+    name = Path(path).name  # shard-{coord+1:05d}-model-{part+1:05d}-of-...
+    coord, part = int(name.split("-")[1]) - 1, int(name.split("-")[3]) - 1
+    kind, _, rest = fault.partition(":")
+    target, _, marker = rest.partition(":")
+    if not kind or part != 0 or coord != int(target):
+        return _stock_write_file(path, items, copier)
+    if kind == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if kind == "kill":
+        if marker:
+            Path(marker).write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    entry = _stock_write_file(path, items, copier)
+    if kind == "sleep":
+        Path(marker).write_text(str(path))
+        time.sleep(120)
+    return entry
+
+
+def _counted_progress_bar(total, progress):
+    bars.append(total)
+    return _stock_progress_bar(total, progress)
+
+
+reshard.write._write_file = _faulty_write_file
+reshard.parallel._progress_bar = _counted_progress_bar
+if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than in production
+    reshard.parallel.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
+
+
+def main():
+    # a shell may start background jobs with SIGINT ignored; a terminal's Ctrl-C raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from reshard.cli import main as reshard_main
+
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    report_dir = Path(sys.argv[2])
+    report_dir.mkdir(parents=True, exist_ok=True)
+    rank = os.environ.get("RANK", "0")
+    for i, case in enumerate(cases):
+        os.environ["RESHARD_TEST_FAULT"] = case.get("fault", "")
+        sys.argv = ["reshard", *(arg.replace("{rank}", rank) for arg in case["argv"])]
+        bars.clear()
+        err = io.StringIO()
+        start = time.monotonic()
+        try:
+            with contextlib.redirect_stderr(err):
+                reshard_main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        sys.stderr.write(err.getvalue())
+        (report_dir / f"case{i}-rank{rank}.json").write_text(json.dumps(
+            {"exit": code, "stderr": err.getvalue(), "bars": list(bars), "seconds": time.monotonic() - start}))
+        if code > 128:  # interrupted by a signal: stop here, as the process would
+            sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
