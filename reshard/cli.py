@@ -8,7 +8,6 @@ exit 1, `--debug` shows the traceback; Ctrl-C exits 130 and SIGTERM 143 (128 + t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import re
@@ -18,23 +17,6 @@ import sys
 import click
 
 from .errors import MeshError, ReshardError
-
-
-@contextlib.contextmanager
-def _signal_as_interrupt(signum: int):
-    """Let `signum` unwind like Ctrl-C (so `finally` blocks clean up), as `KeyboardInterrupt("signal N")`."""
-    def handler(received, frame):
-        raise KeyboardInterrupt(f"signal {received}")
-
-    try:
-        previous = signal.signal(signum, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signum, previous)
 
 
 def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
@@ -52,7 +34,9 @@ class ReshardGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            with _signal_as_interrupt(signal.SIGTERM):
+            from .write import sigterm_as_interrupt
+
+            with sigterm_as_interrupt():
                 return super().invoke(ctx)
         except MeshError as e:
             if ctx.params.get("debug"):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from .errors import LoadError, ReshardError, VerifyError
 from .local_read import gather, raise_if_any, torch_dtype
-from .manifest import MANIFEST_NAME, Manifest, coverage_problems, file_crc32, read_manifest
-from .patch import (active_manifest, install, is_patched, patch_transformers,  # noqa: F401  (re-exported)
+from .checkpoint import read_header
+from .manifest import MANIFEST_NAME, Manifest, coverage_problems, file_crc32, header_problems, read_manifest
+from .patch import (active_manifest, install, patch_transformers,  # noqa: F401  (re-exported)
                     uninstall_unless_user, unpatch_transformers)
 
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -77,8 +78,6 @@ def _check_own_files(manifest: Manifest, rank: int) -> str | None:
 
     Their CRC-32 is checked while they are read (`local_read`), not here: that would read them twice.
     """
-    from .checkpoint import read_header
-
     sizes = {f["name"]: f["bytes"] for f in manifest.files}
     for name in manifest.files_of_rank(rank):
         path = manifest.path / name
@@ -236,9 +235,11 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
             if check_checksums and (crc := file_crc32(path)) != expected[entry["name"]]:
                 problems.append(f"{entry['name']} is corrupt (CRC-32 {crc}, the manifest says "
                                 f"{expected[entry['name']]})")
-            problems += _header_problems(manifest, entry)
+            problems += header_problems(entry, manifest.chunks(entry), read_header(path))
         except OSError as e:
             problems.append(f"{entry['name']} cannot be read ({e.strerror or e})")
+        except ReshardError as e:  # a header that does not parse
+            problems.append(str(e))
     if problems:
         raise LoadError(f"{manifest.path} cannot be loaded: {'; '.join(problems)}. Run `reshard verify` on it, or "
                         "write it again.")
@@ -259,28 +260,6 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
                 region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
                 out[chunk.name][region] = f.get_tensor(chunk.name)
     return out
-
-
-def _header_problems(manifest: Manifest, entry: dict) -> list[str]:
-    """Where a file's header differs from the chunks the manifest derives for it."""
-    import json
-
-    from .checkpoint import read_header
-    from .manifest import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY
-
-    try:
-        header = read_header(manifest.path / entry["name"])
-        saved = json.loads(header.metadata.get(DCP_SHARDING_INFO_KEY) or "{}")
-    except (ReshardError, ValueError) as e:
-        return [str(e)]
-    shapes = {t.name: tuple(t.shape) for t in header.tensors}
-    problems = []
-    for chunk in manifest.chunks(entry):
-        offsets = saved.get(chunk.name, {}).get(SAVED_OFFSETS_KEY)
-        if shapes.get(chunk.name) != chunk.shape or offsets is None or tuple(offsets) != chunk.offsets:
-            problems.append(f"{entry['name']} does not hold {chunk.name} at offset {list(chunk.offsets)} with shape "
-                            f"{list(chunk.shape)}")
-    return problems
 
 
 def _load_whole(folder: Path, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):

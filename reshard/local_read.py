@@ -295,18 +295,29 @@ def _rank_list(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def raise_if_any(problems: list) -> None:
-    """Raise LoadError, naming every failing rank, when any rank's entry is a problem (identical ones grouped)."""
+def failing_ranks(problems: list) -> dict[str, list[int]]:
+    """Each distinct problem in `problems` (one entry per rank, falsy where fine) with the ranks that have it."""
     failed: dict[str, list[int]] = {}
     for r, p in enumerate(problems):
         if p:
             failed.setdefault(p, []).append(r)
+    return failed
+
+
+def describe_failures(failed: dict[str, list[int]], ranks: int, what: str) -> str:
+    """`N of M rank(s) <what> (ranks 0-2: cause; rank 5: other cause)`, from `failing_ranks`."""
+    count = sum(len(r) for r in failed.values())
+    detail = "; ".join(f"{_rank_list(r)}: {p}" for p, r in failed.items())
+    return f"{count} of {ranks} rank(s) {what} ({detail})"
+
+
+def raise_if_any(problems: list) -> None:
+    """Raise LoadError, naming every failing rank, when any rank's entry is a problem (identical ones grouped)."""
+    failed = failing_ranks(problems)
     if len(failed) == 1 and len(next(iter(failed.values()))) == len(problems):
         raise LoadError(next(iter(failed)))  # the same on every rank (a world size or mesh mismatch): say it once
     if failed:
-        count = sum(len(ranks) for ranks in failed.values())
-        detail = "; ".join(f"{_rank_list(ranks)}: {p}" for p, ranks in failed.items())
-        raise LoadError(f"{count} of {len(problems)} rank(s) cannot load ({detail}). Every rank stops here. "
+        raise LoadError(f"{describe_failures(failed, len(problems), 'cannot load')}. Every rank stops here. "
                         "Run `reshard verify` on the folder, or write it again.")
 
 

@@ -162,6 +162,33 @@ def read_manifest(folder: str | Path) -> Manifest:
     return Manifest(data, folder)
 
 
+def header_problems(entry: dict, expected: list[Chunk], header) -> list[str]:
+    """Where a file's parsed header (`checkpoint.FileHeader`) differs from the chunks the manifest derives for it
+    (`expected`): the same tensors, each with its shape and `DCP_SHARDING_INFO` offsets, and the empty markers the
+    entry counts."""
+    name = entry["name"]
+    try:
+        saved = json.loads(header.metadata.get(DCP_SHARDING_INFO_KEY) or "{}")
+    except ValueError:
+        saved = {}
+    shapes = {t.name: list(t.shape) for t in header.tensors}
+    problems = []
+    if set(shapes) != {c.name for c in expected}:
+        problems.append(f"{name}: header holds {sorted(set(shapes) ^ {c.name for c in expected})[:3]} differently "
+                        "from the manifest")
+    if entry.get("empty_markers") != sum(c.is_empty for c in expected):
+        problems.append(f"{name}: the manifest counts {entry.get('empty_markers')} empty markers, its chunks have "
+                        f"{sum(c.is_empty for c in expected)}")
+    for chunk in expected:
+        if chunk.name not in shapes:
+            continue
+        offsets = saved.get(chunk.name, {}).get(SAVED_OFFSETS_KEY)
+        if shapes[chunk.name] != list(chunk.shape) or offsets is None or tuple(offsets) != chunk.offsets:
+            problems.append(f"{name}: {chunk.name} shape/offsets {shapes[chunk.name]}/{offsets} differ from the "
+                            f"manifest's {list(chunk.shape)}/{list(chunk.offsets)}")
+    return problems
+
+
 def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
     """Whether distinct `(offset, length)` intervals tile `[0, size)` exactly once."""
     cursor = 0

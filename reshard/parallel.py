@@ -40,7 +40,7 @@ from pathlib import Path
 
 from .errors import OutputError, ReshardError
 from .write import (_check_output, _claim_output, _discard, _finish, _output_error, _progress_bar,
-                    _sigterm_as_interrupt, _signals_held, _write_lock, write_coordinates)
+                    sigterm_as_interrupt, _signals_held, _write_lock, write_coordinates)
 
 WORKER_MIN_BYTES = 1 << 30  # a worker costs ~0.2 s to start: worth it only with at least this much to write
 MAX_DEFAULT_WORKERS = 4  # beyond ~4 streams a single disk stops gaining; pass --workers for a parallel file system
@@ -441,23 +441,14 @@ def _identity(plan, index, out: Path, max_shard_size, overwrite) -> dict:
             "options": f"max_shard_size={max_shard_size} overwrite={overwrite}", "SRC's safetensors headers": headers}
 
 
-def _rank_list(ranks: list[int]) -> str:
-    from .local_read import _rank_list as spans
-
-    return spans(ranks)
-
-
 def _agreed_failure(views: list, what: str) -> _Agreed | None:
     """The error every rank raises when any rank's view holds a failure (`None` entries and `_Stopped` are fine)."""
-    failed: dict[str, list[int]] = {}
-    for r, view in enumerate(views):
-        if view:
-            failed.setdefault(view, []).append(r)
+    from .local_read import describe_failures, failing_ranks
+
+    failed = failing_ranks(views)
     if not failed:
         return None
-    count = sum(len(ranks) for ranks in failed.values())
-    detail = "; ".join(f"{_rank_list(ranks)}: {text}" for text, ranks in failed.items())
-    return _Agreed(f"{count} of {len(views)} rank(s) {what} ({detail}). Every rank stopped; nothing was kept.")
+    return _Agreed(f"{describe_failures(failed, len(views), what)}. Every rank stopped; nothing was kept.")
 
 
 def write_distributed(read_plan, out: str | os.PathLike, *, overwrite: bool = False,
@@ -478,7 +469,7 @@ def write_distributed(read_plan, out: str | os.PathLike, *, overwrite: bool = Fa
             on every rank, such as an impossible mesh, is raised as it is). Nothing is kept.
         KeyboardInterrupt: Ctrl-C or SIGTERM (torchrun stopping the job); this rank removed what it could.
     """
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         group, _ = _gloo_group()
         with _Ranks(group) as ranks:
             return _write_as_rank(ranks, read_plan, out, overwrite, max_shard_size, progress)

@@ -314,7 +314,7 @@ def _wrap_from_pretrained(original):
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
         manifest = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
         direct = all(kwargs.get(k) is None for k in ("state_dict", "gguf_file")) and not kwargs.get("subfolder")
-        if manifest is None and folder is not None and direct and _multi_rank(kwargs) and _is_candidate(folder):
+        if manifest is None and folder is not None and direct and _multi_rank() and _is_candidate(folder):
             manifest, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"))
         if manifest is None and folder is not None and (folder / MANIFEST_NAME).is_file():
             with open(folder / MANIFEST_NAME) as f:
@@ -336,7 +336,7 @@ def _wrap_from_pretrained(original):
     return classmethod(from_pretrained)
 
 
-def _multi_rank(kwargs) -> bool:
+def _multi_rank() -> bool:
     """This call runs in a multi-rank job: a process group exists, or a launcher set WORLD_SIZE > 1."""
     import torch.distributed as dist
 

@@ -38,7 +38,7 @@ from .checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry, is_metadata_fi
 from .errors import OutputError
 from .layout import TargetTensor
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest, shard_file_name
-from .plan import Box, Kind, ReshardPlan, box_is_empty, local_box
+from .plan import Box, ReshardPlan, box_is_empty, local_box
 
 COPY_BUFFER_BYTES = 1 << 20  # 1 MiB: measured as fast as `cp` in the fallback loop; 16 MiB was 2.5x slower
 TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
@@ -419,8 +419,9 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def _sigterm_as_interrupt():
-    """Let SIGTERM unwind like Ctrl-C, so the temporary folder is removed."""
+def sigterm_as_interrupt():
+    """Let SIGTERM unwind like Ctrl-C, as `KeyboardInterrupt("signal 15")`, so `finally` blocks clean up (the
+    temporary folder is removed) and the CLI boundary exits 143. Off the main thread, signals are left alone."""
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -566,7 +567,7 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
         >>> write_shards(plan, read_checkpoint("ckpt", need_data=True), "ckpt-fsdp8")  # doctest: +SKIP
     """
     out, copied = _check_output(index, out, overwrite)
-    with _sigterm_as_interrupt(), _write_lock(out):
+    with sigterm_as_interrupt(), _write_lock(out):
         sizes, data, total, tmp = _claim_output(plan, index, out, overwrite, copied)
         if workers is None or workers > 1:
             from .parallel import default_workers, write_with_workers
