@@ -69,6 +69,9 @@ def main() -> None:
         report["error"] = f"{type(e).__name__}: {e}"
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    # every rank done with the group before any tears it down: a rank destroying gloo while a peer still finishes
+    # its last collective can abort that peer (seen once as SIGABRT on one rank)
+    dist.barrier()
     dist.destroy_process_group()
     if "error" in report:
         sys.exit(1)
