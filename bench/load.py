@@ -17,9 +17,10 @@ What it does:
    SHA-1 as stock on every rank, and leave no parameter uninitialized).
 4. Alternates, `--runs` times (rotating the order): (a) stock
    `AutoModelForCausalLM.from_pretrained(SRC, distributed_config=DistributedConfig(fsdp_size=F))`, (b)
-   `reshard.from_pretrained(OUT)` (own-file reads with the CRC-32 computed as bytes pass, the default), (c) the
-   same with `check_checksums=False`, (d) `reshard-dcp`: reshard made to take transformers' `dcp.load` path (its
-   fallback, and what it did before own-file reads: a CRC pass over the rank's files, then `dcp.load`);
+   `reshard.from_pretrained(OUT)` (`dcp.load` with `reshard.StorageReader`: own-file reads with the CRC-32 computed
+   as bytes pass, the default), (c) the same with `check_checksums=False`, (d) `reshard-ownfile`: the own-file
+   reader the patch used before the storage reader (no `dcp.load`), (e) `reshard-dcp`: transformers' own
+   `dcp.load` path with torch's `HuggingFaceStorageReader` (no CRC);
    each a fresh `torchrun --standalone --nproc-per-node F bench/load_rank.py ...` job.
 5. Reports per rank: bytes of tensor data read (stock and dcp.load: every safetensors slice / get_tensor counted;
    reshard's own-file reads: every tensor read into a local shard), files that data came from, files opened at all (and how many opens), /proc/self/io rchar and read_bytes around
@@ -48,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = Path(__file__).resolve().parent / "load_rank.py"
 MB = 10**6
-MODES = ("stock", "reshard", "reshard-nocrc", "reshard-dcp")
+MODES = ("stock", "reshard", "reshard-nocrc", "reshard-ownfile", "reshard-dcp")
 DEFAULT_MODES = MODES
 
 

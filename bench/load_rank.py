@@ -3,12 +3,15 @@
 usage (under torchrun): load_rank.py MODE FOLDER FSDP REPORT_DIR
     MODE: `stock`          `AutoModelForCausalLM.from_pretrained(FOLDER,
                                                              distributed_config=DistributedConfig(fsdp_size=FSDP))`
-          `reshard`        `reshard.from_pretrained(FOLDER)`: each rank reads its own files into its local shards,
-                           CRC-32 computed as the bytes pass (the default)
+          `reshard`        `reshard.from_pretrained(FOLDER)`: `dcp.load` of the model's state dict with
+                           `reshard.StorageReader`, each rank reading its own files into its local shards, CRC-32
+                           computed as the bytes pass (the default)
           `reshard-nocrc`  the same with `check_checksums=False`
-          `reshard-dcp`    `reshard.from_pretrained(FOLDER)` made to take transformers' `dcp.load` path (what
-                           reshard falls back to when a model does not match the folder's chunks): a CRC pass
-                           over the rank's files, then `dcp.load` (here forced by making `plan_reads` decline)
+          `reshard-ownfile` the own-file reader the patch used before the storage reader
+                           (`local_read.load_local_shards`: no `dcp.load`), for a same-run comparison
+          `reshard-dcp`    `reshard.from_pretrained(FOLDER)` with transformers' own `_load_model_checkpoint_distributed`
+                           (state dict gathered and redistributed, `dcp.load` with torch's `HuggingFaceStorageReader`,
+                           which opens every file's header; no CRC)
 
 Environment switches:
     BENCH_VERIFY=1      after the timed load, write a SHA-1 of every local shard (with its placement, shape and
@@ -150,13 +153,18 @@ def install_phases(mode: str, model_cls) -> None:
     ]
     if mode != "stock":
         import reshard.loader as rl
+        import reshard.local_read as local_read
+        import reshard.storage as storage
 
         targets += [
             (rl, "read_manifest", "reshard: read_manifest"),
             (rl, "_check_own_files", "reshard: check own files (size, header)"),
             (rl, "gather", "reshard: all_gather_object"),
-            (rl, "load_local_shards", "reshard: read own files into local shards"),
             (rl, "_model_class", "reshard: _model_class"),
+            (storage, "load_model_state", "reshard: dcp.load with reshard.StorageReader"),
+            (storage.StorageReader, "read_metadata", "reshard: StorageReader.read_metadata (manifest)"),
+            (storage.StorageReader, "read_data", "reshard: StorageReader.read_data (own files)"),
+            (local_read, "load_local_shards", "reshard-ownfile: read own files into local shards"),
         ]
     for owner, name, label in targets:
         if name in owner.__dict__:
@@ -181,7 +189,9 @@ class ReadCounter:
             self.opens_by_phase[phase] = self.opens_by_phase.get(phase, 0) + 1
 
     def got(self, name, tensor, phase):
-        n = tensor.numel() * tensor.element_size()
+        self.got_bytes(name, tensor.numel() * tensor.element_size(), phase)
+
+    def got_bytes(self, name, n, phase):
         with self.lock:
             self.slices += 1
             self.data[name] = self.data.get(name, 0) + n
@@ -247,22 +257,75 @@ def install_read_counter() -> ReadCounter:
 
 # ---- reshard's own-file reads -------------------------------------------------------------------------------
 
+class _CountedFile:
+    """A file `reshard.storage` opened: every byte read through it is counted (headers included)."""
+
+    def __init__(self, inner, name, counter):
+        self._inner, self._name, self._counter = inner, name, counter
+
+    def readinto(self, buffer):
+        n = self._inner.readinto(buffer)
+        self._counter.got_bytes(self._name, n or 0, _current_phase())
+        return n
+
+    def read(self, size=-1):
+        data = self._inner.read(size)
+        self._counter.got_bytes(self._name, len(data), _current_phase())
+        return data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._inner.close()
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+
 def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
-    """Count what `local_read.read_file` reads; for `reshard-dcp`, make every rank decline own-file reads."""
+    """Count what `reshard.StorageReader` reads (every file it opens, every byte); for `reshard-ownfile`, make the
+    patch take the own-file reader it used before the storage reader (`local_read.load_local_shards`)."""
     import reshard.local_read as local_read
+    import reshard.storage as storage
 
-    read_file = local_read.read_file
+    open_file = storage._open
 
-    def counted_read_file(job, *args, **kwargs):
-        counter.opened(job.path.name)
-        problem = read_file(job, *args, **kwargs)
-        for read in job.reads:
-            counter.got(job.path.name, read.local, _current_phase())
-        return problem
+    def counted_open(path):
+        counter.opened(path.name)
+        return _CountedFile(open_file(path), path.name, counter)
 
-    local_read.read_file = counted_read_file
-    if mode == "reshard-dcp":
-        local_read.plan_reads = lambda *args, **kwargs: "the benchmark's reshard-dcp mode"
+    storage._open = counted_open
+    if mode == "reshard-ownfile":
+        import transformers.distributed.mixin as mixin
+        from pathlib import Path
+
+        import reshard.patch as patch
+        from reshard.manifest import Manifest
+
+        read_file = local_read.read_file
+
+        def counted_read_file(job, *args, **kwargs):
+            counter.opened(job.path.name)
+            problem = read_file(job, *args, **kwargs)
+            for read in job.reads:
+                counter.got(job.path.name, read.local, _current_phase())
+            return problem
+
+        local_read.read_file = counted_read_file
+
+        def own_file_load(model, checkpoint_dir, strict=True):
+            manifest = Manifest(patch._active_manifest.get(), Path(checkpoint_dir))
+            if not local_read.load_local_shards(model, manifest, checksums=patch._checksums.get()):
+                raise SystemExit("reshard-ownfile: the own-file path declined")
+
+        mixin._load_model_checkpoint_distributed = own_file_load
+    elif mode == "reshard-dcp":
+        import transformers.distributed.mixin as mixin
+
+        import reshard.patch as patch
+
+        mixin._load_model_checkpoint_distributed = patch._originals[(mixin, "_load_model_checkpoint_distributed")]
 
 
 # ---- main ----------------------------------------------------------------------------------------------------

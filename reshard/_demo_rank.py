@@ -12,31 +12,27 @@ import sys
 
 
 def _count_reads():
-    """Record the files and tensor bytes this rank reads: reshard's own-file reads, or `dcp.load`'s reader where the
-    loader falls back to it."""
+    """Record the files and tensor bytes this rank reads through `dcp.load`'s storage reader: reshard's (the loader's
+    path), or torch's where something loads with it."""
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-    import reshard.local_read as local_read
+    from reshard.storage import StorageReader
 
     seen = {"files": set(), "bytes": 0}
-    read_file = local_read.read_file
 
-    def counted_read_file(job, *args, **kwargs):
-        seen["files"].add(job.path.name)
-        seen["bytes"] += sum(read.entry.nbytes for read in job.reads)
-        return read_file(job, *args, **kwargs)
+    def counted(original):
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                seen["files"].add(os.path.basename(info.relative_path))
+                seen["bytes"] += math.prod(item.lengths) * info.dtype.itemsize
+            return original(self, plan, planner)
 
-    local_read.read_file = counted_read_file
-    original = HuggingFaceStorageReader.read_data
+        return read_data
 
-    def read_data(self, plan, planner):
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            seen["files"].add(os.path.basename(info.relative_path))
-            seen["bytes"] += math.prod(item.lengths) * info.dtype.itemsize
-        return original(self, plan, planner)
-
-    HuggingFaceStorageReader.read_data = read_data
+    # torch's reader, and reshard's own (the loader's path), which overrides read_data
+    for reader in (HuggingFaceStorageReader, StorageReader):
+        reader.read_data = counted(reader.read_data)
     return seen
 
 

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from .checkpoint import read_checkpoint
+from .checkpoint import CheckpointIndex, read_checkpoint
+from .errors import UsageError
 from .mesh import MeshSpec
 from .plan import LayoutMode, ReshardPlan, make_plan
+from .quant import OUTPUT_DTYPES, dequantized_view, detect_quantization
+
+
+def read_source(source, *, revision: str | None = None, need_data: bool = False) -> CheckpointIndex:
+    """`read_checkpoint`, and for a quantized checkpoint its bf16 view (`reshard.quant.dequantized_view`): what every
+    command plans, writes and verifies against."""
+    index = read_checkpoint(source, revision=revision, need_data=need_data)
+    quantization = detect_quantization(index)
+    return index if quantization is None else dequantized_view(index, quantization)
 
 
 def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
@@ -26,16 +36,17 @@ def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMo
     """
     from .experts import find_experts
 
-    index = read_checkpoint(source, revision=revision, need_data=need_data)
+    index = read_source(source, revision=revision, need_data=need_data)
     layout = find_experts(index)
     if not layout.experts:
         return None
-    return make_plan(layout, mesh, mode=mode)
+    return make_plan(layout, mesh, mode=mode, quantization=index.quantization)
 
 
 def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
                      revision: str | None = None, overwrite: bool = False, max_shard_size: int | None = None,
-                     progress: bool | None = None, workers: int | None = 1, distributed: bool = False) -> dict | None:
+                     progress: bool | None = None, workers: int | None = 1, distributed: bool = False,
+                     dequantize: str | None = None) -> dict | None:
     """Plan `source` on `mesh` and write it to `out` (see `reshard.write.write_shards`).
 
     Args:
@@ -45,6 +56,8 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         distributed: this process is one rank of a job (torchrun) and every rank calls this with the same
             arguments: each reads `source` on its own node and writes its share of the files into `out`, on a file
             system they all share (`reshard.parallel.write_distributed`).
+        dequantize: `bf16` to write a quantized source (FP8 block-scaled, MXFP4) as bf16 rank files in one pass;
+            required for such a source, ignored for any other.
 
     Returns:
         The manifest document (None on the ranks other than 0 of a distributed write).
@@ -58,12 +71,28 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     from .experts import find_experts
     from .write import write_shards
 
+    if dequantize is not None and dequantize not in OUTPUT_DTYPES:
+        raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
+
     def read_and_plan():
-        index = read_checkpoint(source, revision=revision, need_data=True)
+        from .dcp_source import dcp_kind, read_dcp_source
+
+        if dcp_kind(source):  # a reshard folder or a saved distributed checkpoint: from mesh to mesh
+            index, layout = read_dcp_source(source)
+            return make_plan(layout, mesh, mode=mode), index
+        index = read_source(source, revision=revision, need_data=True)
+        if index.quantization is not None:
+            if dequantize is None:
+                raise UsageError(f"{source} is quantized ({index.quantization.describe()}); FSDP2 trains bf16 "
+                                 "weights, so pass --dequantize bf16 to write bf16 rank files in one pass "
+                                 "(reshard.write_checkpoint(..., dequantize='bf16')).")
+            from .dequant import check_decodable
+
+            check_decodable(index)
         layout = find_experts(index)
         if not layout.experts:
             raise ArchitectureError(f"{source}: no routed experts found (not a MoE checkpoint); nothing to reshard.")
-        return make_plan(layout, mesh, mode=mode), index
+        return make_plan(layout, mesh, mode=mode, quantization=index.quantization), index
 
     if distributed:
         if workers not in (None, 1):

@@ -96,6 +96,8 @@ class CheckpointIndex:
         tensors: every tensor by on-disk key.
         other_files: top-level non-weight files to copy as they are (config, tokenizer, ...; see
             `METADATA_PATTERNS`), relative to root.
+        quantization: set on the bf16 view of a quantized checkpoint (`reshard.quant.dequantized_view`): which of
+            `tensors` are computed from quantized pairs. None for a checkpoint read as it is.
     """
 
     source: str
@@ -105,6 +107,7 @@ class CheckpointIndex:
     files: tuple[FileHeader, ...]
     tensors: dict[str, TensorEntry] = field(repr=False)
     other_files: tuple[str, ...] = ()
+    quantization: object = None  # reshard.quant.Quantization (kept untyped: quant imports this module)
 
     @property
     def total_bytes(self) -> int:
@@ -381,8 +384,9 @@ def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> Checkpo
             root = Path(snapshot_download(repo_id, revision=pinned, allow_patterns=[*METADATA_PATTERNS, *weights],
                                           ignore_patterns=ignore))
     except (LocalEntryNotFoundError, FileNotFoundError) as e:
-        hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache" if offline
-                else "it could not be reached and is not in the local cache")
+        # huggingface_hub refuses a partly cached snapshot the same way as a missing one
+        hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache (or only some of the files it needs are)"
+                if offline else "it could not be reached and is not in the local cache")
         raise CheckpointError(f"{repo_id}: no local folder of that name, and as a Hub repo id {hint}. Check the "
                               f"path, download it once with network access (`hf download {repo_id}`), or pass a "
                               "local folder.", path=repo_id) from e

@@ -1,9 +1,9 @@
 """The `reshard` command line: plan, write, verify, demo.
 
 Each command validates its flags, calls one library function and prints a summary (or `--json`). Errors reach
-the user through one boundary (`ReshardGroup.invoke`): a bad call or an impossible mesh (`MeshError`, also one
-found only once the model is known) exits 2 with the usage line, any other `ReshardError` becomes its message and
-exit 1, `--debug` shows the traceback; Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), after cleaning up.
+the user through one boundary (`ReshardGroup.invoke`): a bad call, or flags that cannot work with the input
+(`UsageError`: a mesh the model does not fit, a quantized source without --dequantize) exits 2 with the usage line,
+any other `ReshardError` becomes its message and exit 1, `--debug` shows the traceback; Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), after cleaning up.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from .errors import MeshError, ReshardError
+from .errors import ReshardError, UsageError
 
 
 def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
@@ -38,10 +38,10 @@ class ReshardGroup(click.Group):
 
             with sigterm_as_interrupt():
                 return super().invoke(ctx)
-        except MeshError as e:
+        except UsageError as e:
             if ctx.params.get("debug"):
                 raise
-            # The mesh flags are the cause: show the command's usage, as click does for a flag it rejects itself.
+            # The flags are the cause (a mesh that cannot hold the model, a quantized source without --dequantize): show the command's usage, as click does for a flag it rejects itself.
             command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
             usage_ctx = click.Context(command, info_name=ctx.invoked_subcommand, parent=ctx) if command else ctx
             raise click.UsageError(str(e), ctx=usage_ctx) from e
@@ -74,7 +74,7 @@ def mesh_options(func):
 
         try:
             mesh = MeshSpec(fsdp=fsdp, ep=ep, dp_replicate=dp_replicate, tp=tp, pp=pp)
-        except MeshError as e:
+        except UsageError as e:
             raise click.UsageError(str(e)) from e
         return func(*args, mesh=mesh, **kwargs)
 
@@ -183,14 +183,20 @@ class SizeType(ParsedType):
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Processes writing in parallel on this machine, each a share of the rank files balanced by bytes; "
                    "the output is the same. Default: min(4, half the CPU cores, the ranks' coordinates, one per GiB "
-                   "of data), at least 1 (1: write in this process).")
+                   "of data), at least 1 (1: write in this process); with --dequantize, all the cores instead of "
+                   "min(4, half).")
 @click.option("--distributed/--no-distributed", default=None,
               help="Write as one rank of a torchrun job (`torchrun ... -m reshard write ...`): each rank writes its "
                    "share into OUT on a shared file system, rank 0 the manifest. Default: on when torchrun's RANK, "
                    "LOCAL_RANK and WORLD_SIZE > 1 are set.")
+@click.option("--dequantize", type=click.Choice(["bf16"]), default=None,
+              help="For a quantized SRC (block-scaled FP8 as DeepSeek-V3 ships it, MXFP4 as gpt-oss does): write bf16 "
+                   "rank files in the same pass, and a config.json without quantization_config. Required for such a "
+                   "SRC; ignored for any other.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
-def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, distributed, quiet, as_json):
+def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, distributed, dequantize, quiet,
+          as_json):
     """Write SRC as per-rank shard files for the mesh into OUT, plus reshard.json.
 
     Every rank gets its own file (replicas share them): a non-empty slice of every tensor, or an explicit empty
@@ -198,10 +204,13 @@ def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, di
     from per-expert keys slice by slice. OUT appears only when complete; an interrupted write leaves nothing.
     Non-weight files (config, tokenizer, ...) are copied as they are. Several writers (--workers on one machine,
     or the ranks of a torchrun job) write shares of the files into one temporary folder; the result is the same.
+    A quantized SRC needs --dequantize bf16: each chunk is then computed from just the source rows and scales it
+    needs (the one case where bytes change), and --workers uses the cores for it.
 
     \b
     Example:
       reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
+      reshard write deepseek-ai/DeepSeek-V3 ./dsv3-ep8 --fsdp 64 --ep 8 --dequantize bf16 --workers 64
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
           -m reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
     """
@@ -216,19 +225,23 @@ def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, di
                                "share (for more writers per node, raise --nproc-per-node).")
     manifest = write_checkpoint(src, out, mesh, mode=mode, revision=revision, overwrite=overwrite,
                                 max_shard_size=max_shard_size, progress=False if quiet else None,
-                                workers=1 if distributed else workers, distributed=distributed)
+                                workers=1 if distributed else workers, distributed=distributed,
+                                dequantize=dequantize)
     if manifest is None:
         return  # another rank of a distributed write: rank 0 prints the summary
     total = sum(f["bytes"] for f in manifest["files"])
     empty = sum(c["empty_markers"] for c in manifest["coords"])
+    dequantized = sum("dequantized_from" in t for t in manifest["tensors"].values())
     if as_json:
         click.echo(json.dumps({"out": out, "files": len(manifest["files"]), "bytes": total,
-                               "tensors": len(manifest["tensors"]), "empty_markers": empty,
+                               "tensors": len(manifest["tensors"]), "dequantized_tensors": dequantized,
+                               "empty_markers": empty,
                                "layout": manifest["layout"], "mesh": manifest["mesh"],
                                "distributed_config": manifest["distributed_config"]}, indent=2))
         return
     click.echo(f"wrote {out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, {len(manifest['tensors'])} "
-               f"tensors, {empty} explicit empty marker(s); load with "
+               f"tensors" + (f" ({dequantized} dequantized to bf16)" if dequantized else "")
+               + f", {empty} explicit empty marker(s); load with "
                f"{plan_mesh_repr(manifest)} or reshard.from_pretrained({out!r}).")
 
 
@@ -270,7 +283,9 @@ def verify_command(out, against, revision, no_checksums, quiet, as_json):
         return
     click.echo(f"OK {out}: {summary['files']} files, {summary['tensors']} tensors, {summary['empty_markers']} "
                f"explicit empty marker(s), every tensor covered exactly once"
-               + (f", {summary['bytes_compared']} bytes equal to {against}" if against else "") + ".")
+               + (f", {summary['bytes_compared']} bytes equal to {against}" if against else "")
+               + (f" ({len(summary['dequantized_tensors'])} tensors recomputed from its quantized weights)"
+                  if summary["dequantized_tensors"] else "") + ".")
 
 
 @cli.command()
@@ -333,3 +348,45 @@ def files_command(out, ranks, as_json):
                               indent=2))
     else:
         click.echo("\n".join(names))
+
+
+@cli.command(name="merge")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--max-shard-size", type=SizeType(), default="5GB", show_default=True,
+              help="Files of at most this size (5GB, 500MiB, bytes), as save_pretrained writes them.")
+@click.option("--layout", "layout", type=click.Choice(["original", "fused"]), default="original", show_default=True,
+              help="original: the source checkpoint's on-disk keys and shapes (per-expert keys split back out of the "
+                   "fused tensors; for a saved folder, what transformers' save_pretrained writes); fused: the "
+                   "model's in-memory names.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace DEST if it exists (swapped in only once complete): only an empty folder, a merge output "
+                   "or a reshard output.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
+def merge_command(src, dest, max_shard_size, layout, overwrite, quiet, as_json):
+    """Merge SRC, a distributed checkpoint, into DEST, a standard Hugging Face checkpoint.
+
+    SRC is a reshard folder (`reshard write`) or a folder saved by transformers'
+    `model.save_pretrained(dir, distributed_checkpoint=True)` on any mesh (EP included). DEST gets
+    model-0000N-of-0000M.safetensors files, model.safetensors.index.json and the config and tokenizer files: what
+    the Hub, vLLM, SGLang and from_pretrained load. Every tensor is copied byte for byte from the chunks that cover
+    it (never the whole model in memory); a tensor the chunks do not cover exactly (a rank file missing, overlapping
+    saves, mixed dtypes) is an error naming it, before anything is written. DEST appears only when complete.
+    To resume on another mesh instead, `reshard write SRC OUT --fsdp F --ep E` takes the same SRC.
+
+    \b
+    Example:
+      reshard merge ./ckpt-step1000 ./published            # original layout, 5GB files
+      reshard verify ./published --against ./ckpt-step1000 # every tensor equal, byte for byte
+    """
+    from .merge import merge_checkpoint
+
+    summary = merge_checkpoint(src, dest, max_shard_size=max_shard_size, layout=layout, overwrite=overwrite,
+                               progress=False if quiet else None)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(f"merged {src} into {dest}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "
+               f"{summary['tensors']} tensors in the {layout} layout; load with "
+               f"AutoModelForCausalLM.from_pretrained({dest!r}).")

@@ -23,8 +23,17 @@ class CheckpointError(ReshardError, ValueError):
         self.path = path
 
 
-class MeshError(ReshardError, ValueError):
+class UsageError(ReshardError, ValueError):
+    """The command's flags cannot work with this input (the CLI exits 2 with the usage line, as for a bad flag)."""
+
+
+class MeshError(UsageError):
     """The requested mesh cannot hold this model, or is not supported yet."""
+
+
+class QuantizationError(CheckpointError):
+    """A quantized checkpoint reshard cannot dequantize: unknown method, a missing or mis-shaped scale, a dtype
+    this torch lacks."""
 
 
 class ArchitectureError(ReshardError, ValueError):

@@ -108,10 +108,9 @@ def find_experts(index: CheckpointIndex) -> ModelLayout:
     if not index.config.get("model_type"):
         raise ArchitectureError(f"{index.source}: config.json has no model_type (or is missing); reshard needs it to "
                                 "know the architecture.")
-    if index.config.get("quantization_config"):
-        method = index.config["quantization_config"].get("quant_method", "?")
-        raise ArchitectureError(f"{index.source}: quantized checkpoints ({method}) are not supported yet: "
-                                "transformers' distributed-checkpoint loader refuses quantization.")
+    if index.config.get("quantization_config"):  # callers plan the bf16 view (`reshard.api.read_source`)
+        raise ArchitectureError(f"{index.source}: a quantized checkpoint is mapped through its bf16 view; read it with "
+                                "reshard.api.read_source (or reshard.quant.dequantized_view).")
     from .cache import load_layout, save_layout
 
     cached = load_layout(index)

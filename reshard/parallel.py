@@ -79,14 +79,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_workers(data_bytes: int, coordinates: int, cores: int | None = None) -> int:
-    """`--workers` when not given: min(4, half the cores, the coordinates, one per GiB of data), at least 1.
+def default_workers(data_bytes: int, coordinates: int, cores: int | None = None, *, compute: bool = False) -> int:
+    """`--workers` when not given: min(4, half the cores, the coordinates, one per GiB of data), at least 1; with
+    `compute` (a dequantizing write), every core instead of min(4, half of them).
 
-    Each writer keeps about two cores busy (the kernel copy and its CRC-32 thread), and a small write finishes before
-    a worker would have started.
+    Each copying writer keeps about two cores busy (the kernel copy and its CRC-32 thread), and a small write finishes
+    before a worker would have started. A dequantizing writer is bound by its own arithmetic, one core each.
     """
     cores = available_cores() if cores is None else cores
-    return max(1, min(MAX_DEFAULT_WORKERS, cores // 2, coordinates, data_bytes // WORKER_MIN_BYTES))
+    limit = cores if compute else min(MAX_DEFAULT_WORKERS, cores // 2)
+    return max(1, min(limit, coordinates, data_bytes // WORKER_MIN_BYTES))
 
 
 def _failure(e: BaseException) -> dict:

@@ -8,9 +8,9 @@
    of range; the parameter is then flagged initialized like any loaded one, so no rank runs weight init alone.
 3. Meta-only materialization: `_move_missing_keys_from_meta_to_device` replaces only tensors still on `meta`; a
    buffer created off-meta on purpose (a zero router bias) keeps its values.
-4. Own-file reads: a reshard folder's distributed-checkpoint load reads each rank's shards from its own files into
-   the local tensors (`local_read`) instead of `dcp.load`, and skips building the weight-conversion mapping, which
-   that path never uses.
+4. Own-file reads: a reshard folder's distributed-checkpoint load is `dcp.load` of the model's own state dict with
+   `reshard.StorageReader` (each rank reads its own files into its local tensors, CRC-32 checked as they pass),
+   and skips building the weight-conversion mapping, which that path never uses.
 
 All hooks are private transformers API, so the supported version is pinned and checked.
 """
@@ -271,17 +271,16 @@ def _wrap_load_distributed(original):
     def _load_model_checkpoint_distributed(model, checkpoint_dir, strict=True):
         from pathlib import Path
 
-        from .local_read import load_local_shards
         from .manifest import MANIFEST_NAME, Manifest
-
-        import torch.distributed as dist
+        from .storage import load_model_state
 
         manifest = _active_manifest.get()
-        if (manifest is None or not strict or not (dist.is_available() and dist.is_initialized())
-                or not os.path.isfile(os.path.join(checkpoint_dir, MANIFEST_NAME))):
-            return original(model, checkpoint_dir, strict)  # e.g. one process, no group: dcp.load needs none
-        if not load_local_shards(model, Manifest(manifest, Path(checkpoint_dir)), checksums=_checksums.get()):
+        if manifest is None or not os.path.isfile(os.path.join(checkpoint_dir, MANIFEST_NAME)):
             return original(model, checkpoint_dir, strict)
+        # transformers' own version gathers the state dict, turns _StridedShard placements into plain shards (a
+        # redistribution, and chunks that no longer match the files), loads, and sets the state dict back: here the
+        # model's own tensors are the destination, so a rank whose placements match the folder reads its own files.
+        load_model_state(model, Manifest(manifest, Path(checkpoint_dir)), checksums=_checksums.get(), strict=strict)
         return None
 
     return _load_model_checkpoint_distributed

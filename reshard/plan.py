@@ -141,12 +141,14 @@ class ReshardPlan:
         layout: the model's tensors and their on-disk pieces.
         mode: stock or balanced.
         tensors: one `TensorPlan` per state-dict tensor, in model order.
+        quantization: the source's `reshard.quant.Quantization` when the layout is its bf16 view, else None.
     """
 
     mesh: MeshSpec
     layout: ModelLayout
     mode: LayoutMode
     tensors: tuple[TensorPlan, ...]
+    quantization: object = None
 
 
 def _stock_placement(tensor: TargetTensor, mesh: MeshSpec) -> Placement:
@@ -169,13 +171,15 @@ def _planned_placement(stock: Placement, tensor: TargetTensor, mode: LayoutMode)
     return stock  # nothing divides: dim-0 chunks with explicit empty markers
 
 
-def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED) -> ReshardPlan:
+def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
+              quantization=None) -> ReshardPlan:
     """Plan every tensor of `layout` on `mesh`.
 
     Args:
         layout: from `find_experts`.
         mesh: the target mesh.
         mode: `balanced` (default) or `stock`.
+        quantization: the source's quantization, when `layout` is of its bf16 view (reported, not planned on).
 
     Returns:
         A frozen `ReshardPlan`.
@@ -202,7 +206,7 @@ def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = L
     for tensor in layout.tensors:
         stock = _stock_placement(tensor, mesh)
         plans.append(TensorPlan(tensor, stock, _planned_placement(stock, tensor, mode)))
-    return ReshardPlan(mesh, layout, mode, tuple(plans))
+    return ReshardPlan(mesh, layout, mode, tuple(plans), quantization)
 
 
 # ---- summaries for humans and --json ---------------------------------------------------------------------------

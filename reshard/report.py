@@ -49,7 +49,35 @@ def plan_to_dict(plan: ReshardPlan, source: str) -> dict:
         "families": [_family_dict(f) for f in families],
         "ignored_sources": list(plan.layout.ignored_sources),
         "summary": stats,
+        **({"quantization": quantization_summary(plan)} if plan.quantization is not None else {}),
     }
+
+
+def quantization_summary(plan: ReshardPlan) -> dict:
+    """What a quantized source holds and what `write --dequantize bf16` makes of it."""
+    from .plan import family_of
+
+    q = plan.quantization
+    computed = [tp.tensor for tp in plan.tensors if any(p.source in q.tensors for p in tp.tensor.pieces)]
+    total = sum(_bytes(tp.tensor) for tp in plan.tensors)  # the view's dtypes: BF16 where computed
+    return {
+        "method": q.method,
+        "format": q.describe(),
+        "quantization_config": q.config,
+        "quantized_source_tensors": len(q.tensors),
+        "quantized_source_bytes": q.quantized_bytes,
+        "dequantized_tensors": len(computed),
+        "dequantized_families": sorted({family_of(t.name) for t in computed}),
+        "dequantized_bytes": sum(t.numel * 2 for t in computed),
+        "output_bytes": total,
+        "write": "reshard write SRC OUT ... --dequantize bf16",
+    }
+
+
+def _bytes(tensor) -> int:
+    from .checkpoint import DTYPE_BITS
+
+    return tensor.numel * DTYPE_BITS[tensor.dtype] // 8
 
 
 def _family_dict(f: FamilySummary) -> dict:
@@ -71,9 +99,9 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         f"{stats['expert_tensors']} routed-expert tensors",
         f"mesh:   {mesh.describe()}",
         f"load with: {mesh.distributed_config_repr()}"
-        + ("" if mesh.dp_replicate == 1 else f"  (ranks below are fsdp coordinates; replicas share them)"),
+        + ("" if mesh.dp_replicate == 1 else "  (ranks below are fsdp coordinates; replicas share them)"),
         "",
-        f"routed experts (rank map: rows on the split dim per rank, '.' = empty local)",
+        "routed experts (rank map: rows on the split dim per rank, '.' = empty local)",
     ]
     width = max((len(p.describe()) for f in families for p in (f.stock, f.planned)), default=0)
     for f in families:
@@ -91,6 +119,18 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         lines += ["", "dense tensors with empty locals (loaded with explicit empty markers; FSDP handles these):"]
         for f in dense_empty:
             lines.append(f"  {f.pattern}  {list(f.shape)} x{f.count}  {_rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED)}")
+    if plan.quantization is not None:
+        q = quantization_summary(plan)
+        families = q["dequantized_families"]
+        lines += ["", f"quantized source: {q['format']}, {q['quantized_source_tensors']} tensors "
+                      f"({_human_bytes(q['quantized_source_bytes'])} with scales); planned as the bf16 model "
+                      "transformers builds without quantization_config",
+                  f"  dequantized: {q['dequantized_tensors']} tensor(s) in {len(families)} famil"
+                  f"{'y' if len(families) == 1 else 'ies'}, e.g. {', '.join(families[:3])}",
+                  f"  bf16 output: {_human_bytes(q['output_bytes'])} in all ({_human_bytes(q['dequantized_bytes'])} "
+                  "computed, the rest copied as it is)",
+                  "  write: `reshard write SRC OUT ... --dequantize bf16` computes each chunk from just the source "
+                  "rows and scales it needs (bounded memory) and writes a config.json without quantization_config"]
     ignored = plan.layout.ignored_sources
     if ignored:
         lines += ["", f"ignored on-disk keys (the model does not use them): {len(ignored)}, e.g. {ignored[0]}"]

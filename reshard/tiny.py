@@ -67,3 +67,103 @@ def make_tiny_checkpoint(model_type: str, path: str | Path, *, experts: int | No
         if enabled:
             hf_logging.enable_progress_bar()
     return path
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_checkpoint(src: str | Path, dest: str | Path, *, method: str, block: tuple[int, int] = (128, 128),
+                        seed: int = 0) -> Path:
+    """Write `src` (a bf16 tiny checkpoint) into `dest` in a shipped quantized format, as the real releases do.
+
+    - `fp8`: every linear weight of the decoder layers (attention, dense MLP, routed and shared experts; fused
+      expert tensors too) becomes F8_E4M3 beside an F32 `<key>_scale_inv` of `ceil(rows / bm) x ceil(cols / bn)`
+      blocks, partial edge blocks included (DeepSeek-V3's format); embeddings, norms, routers and lm_head stay.
+    - `mxfp4`: gpt-oss's fused expert weights `[E, in, out]` become `<key>_blocks` U8 `[E, out, in / 32, 16]` and
+      `<key>_scales` U8 `[E, out, in / 32]` (e2m1 codes, the low nibble first, an e8m0 exponent per 32 values).
+
+    `config.json` gains the `quantization_config` the releases carry. Other files are copied.
+    """
+    import json
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for file in sorted(src.glob("*.safetensors")):
+        out = {}
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                if method == "fp8" and _fp8_target(key, tensor):
+                    out[key], out[f"{key}_scale_inv"] = _quantize_fp8(tensor, block)
+                elif method == "mxfp4" and key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    out[f"{key}_blocks"], out[f"{key}_scales"] = _quantize_mxfp4(tensor, generator)
+                else:
+                    out[key] = tensor
+        save_file(out, dest / file.name, metadata={"format": "pt"})
+        weight_map.update({key: file.name for key in out})
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            shutil.copy2(path, dest / path.name)
+    if (src / "model.safetensors.index.json").exists():
+        total = sum((dest / name).stat().st_size for name in set(weight_map.values()))
+        (dest / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config = json.loads((dest / "config.json").read_text())
+    if method == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": list(block)}
+    else:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def _fp8_target(key: str, tensor) -> bool:
+    if ".layers." not in key or "norm" in key or tensor.ndim < 2 or not tensor.is_floating_point():
+        return False
+    if key.endswith(("mlp.gate.weight", "router.weight")) or "e_score_correction_bias" in key:
+        return False
+    return key.endswith(".weight") or key.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def _quantize_fp8(tensor, block: tuple[int, int]):
+    """F8_E4M3 codes and F32 scales (`w ~ fp32(q) * scale` per block), partial edge blocks included."""
+    import torch
+
+    bm, bn = block
+    *lead, rows, cols = tensor.shape
+    grid = (-(-rows // bm), -(-cols // bn))
+    padded = torch.zeros(*lead, grid[0] * bm, grid[1] * bn, dtype=torch.float32)
+    padded[..., :rows, :cols] = tensor.float()
+    blocks = padded.reshape(*lead, grid[0], bm, grid[1], bn)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    codes = (blocks / scale[..., :, None, :, None]).reshape(padded.shape)[..., :rows, :cols]
+    return codes.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def _quantize_mxfp4(tensor, generator):
+    """gpt-oss's packing of a `[E, in, out]` weight: nearest e2m1 codes per 32 inputs under an e8m0 exponent."""
+    import torch
+
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    weight = tensor.float().transpose(1, 2).contiguous()  # [E, out, in]
+    experts, rows, width = weight.shape
+    groups = weight.reshape(experts, rows, width // 32, 32)
+    amax = groups.abs().amax(dim=-1).clamp(min=2.0 ** -100)
+    exponent = (torch.floor(torch.log2(amax / 6.0)) + 127).clamp(1, 254)
+    exponent += torch.randint(0, 2, exponent.shape, generator=generator)  # some groups clip at +-6: all codes used
+    scaled = groups / torch.exp2(exponent - 127)[..., None]
+    codes = (scaled.abs()[..., None] - values).abs().argmin(dim=-1)
+    codes = codes | ((scaled < 0).to(torch.int64) << 3)
+    pairs = codes.reshape(experts, rows, width // 32, 16, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return packed.contiguous(), exponent.to(torch.uint8).contiguous()

@@ -11,7 +11,7 @@ import os
 import zlib
 from pathlib import Path
 
-from .checkpoint import DTYPE_BITS, read_checkpoint, read_header
+from .checkpoint import DTYPE_BITS, read_header
 from .errors import MeshError, ReshardError, VerifyError
 from .manifest import MANIFEST_NAME, coverage_problems, header_problems, read_manifest
 from .write import COPY_BUFFER_BYTES, chunk_runs
@@ -54,15 +54,21 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
     """`verify`, returning the problems instead of raising them (what `reshard verify --json` prints).
 
     Returns:
-        `ok`, `folder`, `against`, `files`, `tensors`, `empty_markers`, `bytes_compared` and `problems` (one line
+        `ok`, `folder`, `against`, `files`, `tensors`, `empty_markers`, `bytes_compared`, `dequantized_tensors`
+        (the tensors `against` gave as quantized, recomputed and compared bit for bit) and `problems` (one line
         each; empty when `ok`).
 
     Raises:
         ReshardError: the source given as `against` cannot be read.
     """
+    from .merge import is_merged_folder
+
+    if is_merged_folder(folder):  # a `reshard merge` output (a plain HF checkpoint)
+        return check_merged(folder, against=against, revision=revision, progress=progress)
     folder = Path(folder)
     summary = {"ok": False, "folder": str(folder), "against": None if against is None else str(against),
-               "files": 0, "tensors": 0, "empty_markers": 0, "bytes_compared": 0, "problems": []}
+               "files": 0, "tensors": 0, "empty_markers": 0, "bytes_compared": 0, "dequantized_tensors": [],
+               "problems": []}
     try:
         manifest = read_manifest(folder)
         manifest.mesh  # an impossible mesh in the manifest is a problem of the folder
@@ -73,6 +79,7 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
     data = manifest.data
     problems: list[str] = []
     corrupt: list[str] = []  # CRC mismatches: the structure is still sound, so --against still compares bytes
+    dequantized: list[str] = []  # tensors --against recomputed from a quantized source
     tensors = data["tensors"]
     from tqdm.auto import tqdm
 
@@ -83,12 +90,13 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
                disable=None if progress is None else not progress)
     try:
-        compared, markers = _check(manifest, against, revision, checksums, bar, problems, corrupt)
+        compared, markers = _check(manifest, against, revision, checksums, bar, problems, corrupt, dequantized)
     finally:
         bar.close()
     problems = corrupt + problems
     return {**summary, "ok": not problems, "files": len(data["files"]), "tensors": len(tensors),
-            "empty_markers": markers, "bytes_compared": compared, "problems": problems}
+            "empty_markers": markers, "bytes_compared": compared, "dequantized_tensors": dequantized,
+            "problems": problems}
 
 
 def _crc32(path: Path, buffer: bytearray, bar) -> str:
@@ -101,7 +109,7 @@ def _crc32(path: Path, buffer: bytearray, bar) -> str:
     return f"{crc:08x}"
 
 
-def _check(manifest, against, revision, checksums, bar, problems, corrupt) -> tuple[int, int]:
+def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequantized) -> tuple[int, int]:
     """Every check of `verify`, appending to `problems` and `corrupt`; returns (bytes compared, empty markers).
 
     The manifest says which chunks each file holds (a run of `order`, each chunk's box following from the tensor's
@@ -142,16 +150,25 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt) -> tu
                 chunks[chunk.name].append((entry["coord"], tuple(zip(chunk.offsets, chunk.shape)), entry["name"]))
     compared = 0
     if against is not None and not problems:
-        compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar)
+        compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized)
     return compared, markers
 
 
-def _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar) -> int:
-    """Compare each chunk's bytes with the bytes the source pieces give for that region."""
+def _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized) -> int:
+    """Compare each chunk's bytes with the bytes the source pieces give for that region; a dequantized chunk with
+    the values `write --dequantize` computes from the source (its names are added to `dequantized`)."""
     from .experts import find_experts
 
-    index = read_checkpoint(against, revision=revision, need_data=True)
+    from .api import read_source
+
+    index = read_source(against, revision=revision, need_data=True)
     layout = find_experts(index).by_name()
+    dequantizer = None
+    if index.quantization is not None:
+        from .dequant import Dequantizer, check_decodable
+
+        check_decodable(index)
+        dequantizer = Dequantizer(index)
     compared = 0
     buffer = bytearray(COPY_BUFFER_BYTES)
     fds: dict[str, int] = {}
@@ -161,6 +178,9 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
             if target is None:
                 problems.append(f"{name}: not a tensor of the source model")
                 continue
+            computed = dequantizer is not None and dequantizer.computes(target)
+            if computed:
+                dequantized.append(name)
             for coord, box, file in found:
                 entry = next(t for t in headers[file].tensors if t.name == name)
                 if entry.dtype != target.dtype:
@@ -169,6 +189,16 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
                 if str(folder / file) not in fds:  # (setdefault would open, and leak, a descriptor per call)
                     fds[str(folder / file)] = os.open(folder / file, os.O_RDONLY)
                 out_fd = fds[str(folder / file)]
+                if computed:  # recomputed from the source bytes, compared bit for bit
+                    position = entry.data_start
+                    for data in dequantizer.chunk_slabs(target, box):
+                        if os.pread(out_fd, len(data), position) != data:
+                            problems.append(f"{file}: {name} differs from its dequantized source at chunk {box}")
+                            break
+                        position += len(data)
+                        bar.update(len(data))
+                    compared += position - entry.data_start
+                    continue
                 for run in chunk_runs(target, box, index.tensors):
                     if run.file not in fds:
                         fds[run.file] = os.open(index.path_of(run.file), os.O_RDONLY)
@@ -187,4 +217,135 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
     finally:
         for fd in fds.values():
             os.close(fd)
+        if dequantizer is not None:
+            dequantizer.close()
     return compared
+
+
+# ---- a merged (plain Hugging Face) folder: `reshard merge` output -------------------------------------------------
+
+def check_merged(folder: str | os.PathLike, *, against: str | os.PathLike | None = None,
+                 revision: str | None = None, progress: bool | None = None) -> dict:
+    """`check_folder` for a plain HF checkpoint (what `reshard merge` writes): the index agrees with the headers and
+    its `metadata.total_size`; with `against` (the original HF checkpoint, a reshard folder or a saved distributed
+    checkpoint), the key set is the source's on-disk one (`--layout original`) or its in-memory names (`fused`), and
+    every in-memory tensor, read through each side's own key mapping, equals the source's byte for byte.
+
+    Returns:
+        The same summary fields as `check_folder` (`empty_markers` is 0), plus `kind: "merged"`.
+    """
+    from .checkpoint import INDEX_NAME, read_checkpoint
+
+    folder = Path(folder)
+    summary = {"ok": False, "folder": str(folder), "against": None if against is None else str(against),
+               "kind": "merged", "files": 0, "tensors": 0, "empty_markers": 0, "bytes_compared": 0,
+               "dequantized_tensors": [], "problems": []}
+    problems: list[str] = []
+    try:
+        dest = read_checkpoint(folder)
+    except ReshardError as e:
+        return {**summary, "problems": [str(e)]}
+    try:
+        import json
+
+        total = json.loads((folder / INDEX_NAME).read_text())["metadata"]["total_size"]
+        if total != dest.total_bytes:
+            problems.append(f"{INDEX_NAME}: metadata.total_size is {total}, the tensors hold {dest.total_bytes} bytes")
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"{INDEX_NAME}: no metadata.total_size ({type(e).__name__}: {e})")
+    compared = 0
+    if against is not None and not problems:
+        compared = _compare_merged(dest, against, revision, progress, problems)
+    return {**summary, "ok": not problems, "files": len(dest.files), "tensors": len(dest.tensors),
+            "bytes_compared": compared, "problems": problems}
+
+
+def _source_view(against, revision):
+    """(index, layout, the on-disk keys of the source layout, the in-memory names a fused copy holds)."""
+    from .checkpoint import read_checkpoint
+    from .dcp_source import _tied_from_record, dcp_kind, read_dcp_source
+    from .experts import find_experts
+
+    if dcp_kind(against):
+        index, layout = read_dcp_source(against)
+        original = None if index.original is None else {p[0] for pieces in index.original.values() for p in pieces}
+        tied = set(index.tied)
+    else:
+        index = read_checkpoint(against, revision=revision, need_data=True)
+        layout = find_experts(index)
+        original = {p.source for t in layout.tensors for p in t.pieces}
+        tied = set(_tied_from_record({t.name: [(p.source,) for p in t.pieces] for t in layout.tensors}))
+    return index, layout, original, {t.name for t in layout.tensors} - tied
+
+
+def _compare_merged(dest, against, revision, progress, problems) -> int:
+    from tqdm.auto import tqdm
+
+    from .experts import find_experts
+
+    src_index, src_layout, original_keys, fused_keys = _source_view(against, revision)
+    keys = set(dest.tensors)
+    if keys != original_keys and keys != fused_keys:
+        expected = original_keys if original_keys is not None else fused_keys
+        problems.append(f"the keys are neither the source's on-disk ones nor its in-memory names: missing "
+                        f"{sorted(expected - keys)[:3]}, extra {sorted(keys - expected)[:3]}")
+        return 0
+    try:
+        dest_layout = find_experts(dest).by_name()
+    except ReshardError as e:
+        problems.append(f"{dest.source}: {e}")
+        return 0
+    total = sum(t.numel * DTYPE_BITS[t.dtype] // 8 for t in src_layout.tensors)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
+               disable=None if progress is None else not progress)
+    fds: dict[tuple[str, str], int] = {}
+
+    def fd(index, file) -> int:
+        if (str(index.root), file) not in fds:
+            fds[(str(index.root), file)] = os.open(index.path_of(file), os.O_RDONLY)
+        return fds[(str(index.root), file)]
+
+    compared = 0
+    try:
+        for src in src_layout.tensors:
+            mine = dest_layout.get(src.name)
+            if mine is None or mine.shape != src.shape or mine.dtype != src.dtype:
+                problems.append(f"{src.name}: {'missing' if mine is None else f'{mine.dtype} {list(mine.shape)}'}, "
+                                f"the source has {src.dtype} {list(src.shape)}")
+                continue
+            box = tuple((0, n) for n in src.shape)
+            a = chunk_runs(src, box, src_index.tensors)
+            b = chunk_runs(mine, box, dest.tensors)
+            n = _compare_runs(a, b, lambda f: fd(src_index, f), lambda f: fd(dest, f), bar)
+            if n is None:
+                problems.append(f"{src.name}: differs from the source")
+            else:
+                compared += n
+    finally:
+        bar.close()
+        for handle in fds.values():
+            os.close(handle)
+    return compared
+
+
+def _compare_runs(a, b, open_a, open_b, bar) -> int | None:
+    """Compare two run lists tiling the same bytes (each sorted by `dst`) block by block; bytes compared, or None at
+    the first difference."""
+    i = j = position = 0
+    step = COPY_BUFFER_BYTES
+    while i < len(a) and j < len(b):
+        ra, rb = a[i], b[j]
+        end = min(ra.dst + ra.nbytes, rb.dst + rb.nbytes, position + step)
+        n = end - position
+        if os.pread(open_a(ra.file), n, ra.src + position - ra.dst) != \
+                os.pread(open_b(rb.file), n, rb.src + position - rb.dst):
+            return None
+        bar.update(n)
+        position = end
+        if position == ra.dst + ra.nbytes:
+            i += 1
+        if position == rb.dst + rb.nbytes:
+            j += 1
+    return position

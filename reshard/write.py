@@ -189,6 +189,11 @@ class _Copier:
     def __init__(self, index: CheckpointIndex, progress):
         self.index = index
         self.progress = progress
+        self.dequantizer = None
+        if index.quantization is not None:
+            from .dequant import Dequantizer
+
+            self.dequantizer = Dequantizer(index)
         self.buffer = bytearray(COPY_BUFFER_BYTES)
         self.sources: dict[str, int] = {}
         self.kernel_copy = hasattr(os, "copy_file_range")
@@ -250,16 +255,32 @@ class _Copier:
             written += os.pwrite(out_fd, view[written:got], dst + written)
         return got
 
+    def read_into(self, run: Run, view: memoryview) -> None:
+        """Read `run`'s source bytes into `view` (as long as the run)."""
+        fd, done = self.fd(run.file), 0
+        while done < run.nbytes:
+            got = os.preadv(fd, [view[done:run.nbytes]], run.src + done)
+            if got <= 0:
+                raise OutputError(f"{run.file}: short read at byte {run.src + done}; the source file is truncated or "
+                                  "changed during the write.")
+            done += got
+
     def close(self):
         self.stop.set()
         self.crc_pool.shutdown(wait=True)
         for fd in self.sources.values():
             os.close(fd)
+        if self.dequantizer is not None:
+            self.dequantizer.close()
 
 
 def _write_file(path: Path, items: list, copier: _Copier) -> dict:
     specs = [spec for spec, _, _ in items]
     header = safetensors_header(specs, dcp_metadata({s.name: list(s.offsets) for s in specs}))
+    dequantizer = copier.dequantizer
+    if dequantizer is not None and any(dequantizer.computes(tensor) for _, tensor, _ in items):
+        crc = _write_computed_file(path, header, items, copier)
+        return _file_entry(path, specs, crc)
     placed, base = [], len(header)  # every run with its offset in the file
     for spec, tensor, box in items:
         placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(tensor, box, copier.index.tensors)]
@@ -273,10 +294,70 @@ def _write_file(path: Path, items: list, copier: _Copier) -> dict:
         copier.copy(placed, out_fd, 0)
     finally:
         os.close(out_fd)
+    return _file_entry(path, specs, crc.result())
+
+
+def _file_entry(path: Path, specs: list[ChunkSpec], crc: int) -> dict:
     # The chunks are a run of the plan's order; their offsets and shapes follow from the placements (the manifest
     # stays linear in tensors plus files, however many coordinates).
-    return {"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc.result():08x}",
+    return {"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc:08x}",
             "first": specs[0].index, "count": len(specs), "empty_markers": sum(0 in s.shape for s in specs)}
+
+
+def _write_computed_file(path: Path, header: bytes, items: list, copier: _Copier) -> int:
+    """Write a file holding dequantized chunks, in order: computed slabs and copied runs alike pass through memory
+    (bounded: two slabs, one copy buffer). The CRC-32 and the write of one slab run in the background thread while
+    the next slab is computed (numpy, zlib and pwrite release the GIL). Returns the file's CRC-32."""
+    dequantizer = copier.dequantizer
+    view = memoryview(copier.buffer)
+    out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    state = {"crc": zlib.crc32(header), "position": _pwrite_all(out_fd, header, 0)}
+
+    def put(data) -> None:  # in order, on the one background thread
+        state["crc"] = zlib.crc32(data, state["crc"])
+        state["position"] = _pwrite_all(out_fd, data, state["position"])
+
+    previous = None
+    try:
+        for spec, tensor, box in items:
+            computed = dequantizer.computes(tensor)
+            if computed:
+                pieces = dequantizer.chunk_slabs(tensor, box)
+            else:
+                pieces = (view[:n] for n in _runs_through(copier, chunk_runs(tensor, box, copier.index.tensors), view))
+            for data in pieces:
+                job = copier.crc_pool.submit(put, data)
+                if previous is not None:
+                    previous.result()  # its slab buffer is the one the next slab is computed into
+                previous = job
+                if not computed:  # the copy buffer is refilled at once: no overlap
+                    previous.result()
+                if copier.progress is not None:
+                    copier.progress.update(len(data))
+        if previous is not None:
+            previous.result()
+    finally:
+        if previous is not None:
+            previous.exception()  # never close the file under a running write
+        os.close(out_fd)
+    return state["crc"]
+
+
+def _runs_through(copier: _Copier, runs: list[Run], view: memoryview):
+    """Read `runs` (in output order, contiguous) into `view` a buffer at a time; yields the bytes filled each time."""
+    for run in runs:
+        for start in range(0, run.nbytes, len(view)):
+            n = min(len(view), run.nbytes - start)
+            copier.read_into(Run(run.file, run.src + start, 0, n), view)
+            yield n
+
+
+def _pwrite_all(fd: int, data, position: int) -> int:
+    """Write all of `data` at `position`; returns the position after it."""
+    data, done = memoryview(data).cast("B"), 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], position + done)
+    return position + done
 
 
 def _fsync_files(folder: Path) -> None:
@@ -407,15 +488,18 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def _check_replaceable(out: Path, overwrite: bool) -> None:
-    """Refuse an existing `out` unless `overwrite` and it is an empty folder or a complete reshard output."""
+def _check_replaceable(out: Path, overwrite: bool, *, why_not=None, replaceable: str = "a complete reshard output"
+                       ) -> None:
+    """Refuse an existing `out` unless `overwrite` and it is an empty folder or `replaceable` (`why_not(out)`, by
+    default `_not_replaceable`, says why it is not, or None)."""
     if not overwrite:
-        raise OutputError(f"{out} already exists. Pass --overwrite to replace it (only a reshard output or an empty "
-                          "folder is replaced), or choose another folder.")
-    why = _not_replaceable(out)
+        raise OutputError(f"{out} already exists. Pass --overwrite to replace it (only an empty folder or "
+                          f"{replaceable} is replaced), or choose another folder.")
+    why = (why_not or _not_replaceable)(out)
     if why is not None:
-        raise OutputError(f"{out}: --overwrite replaces only an empty folder or a complete reshard output, and {why}. "
-                          "Nothing was changed. Move what is there yourself, or choose another output folder.")
+        rule = f"--overwrite replaces only an empty folder or {replaceable}"
+        raise OutputError(f"{out}: {rule}, and {why}. Nothing was changed. Move what is there yourself, or choose "
+                          "another output folder.")
 
 
 @contextmanager
@@ -520,6 +604,12 @@ def _finish(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, out: Path, fil
     """Complete the temporary folder (copied files, fsync, the manifest last) and put it in place as OUT."""
     for name in copied:
         shutil.copy2(index.root / name, tmp / name)
+    if index.quantization is not None and "config.json" in copied:
+        # the bf16 model's config: transformers must not build the quantized model for these files
+        from .quant import dequantized_config
+
+        (tmp / "config.json").write_text(json.dumps(dequantized_config(json.loads((index.root / "config.json")
+                                                                                    .read_text())), indent=2) + "\n")
     _fsync_files(tmp)
     manifest = _manifest(plan, index, files)
     with open(tmp / MANIFEST_NAME, "w") as f:
@@ -572,26 +662,36 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
         if workers is None or workers > 1:
             from .parallel import default_workers, write_with_workers
 
-            workers = default_workers(data, len(sizes)) if workers is None else min(workers, len(sizes))
+            workers = (default_workers(data, len(sizes), compute=index.quantization is not None) if workers is None
+                       else min(workers, len(sizes)))
         bar = _progress_bar(data, progress)
         try:
-            tmp.mkdir()
-            if workers > 1:
-                files = write_with_workers(plan, index, tmp, sizes, workers, max_shard_size=max_shard_size,
-                                           progress=bar)
-            else:
-                files = write_coordinates(plan, index, tmp, range(len(sizes)), max_shard_size=max_shard_size,
-                                          progress=bar)
-            manifest = _finish(plan, index, tmp, out, files, copied, overwrite)
-        except OSError as e:
-            _discard(out, tmp)
-            raise _output_error(e, out, total) from e
-        except BaseException:
-            _discard(out, tmp)
-            raise
+            with discarded_on_failure(out, tmp, total):
+                tmp.mkdir()
+                if workers > 1:
+                    files = write_with_workers(plan, index, tmp, sizes, workers, max_shard_size=max_shard_size,
+                                               progress=bar)
+                else:
+                    files = write_coordinates(plan, index, tmp, range(len(sizes)), max_shard_size=max_shard_size,
+                                              progress=bar)
+                manifest = _finish(plan, index, tmp, out, files, copied, overwrite)
         finally:
             bar.close()
     return manifest
+
+
+@contextmanager
+def discarded_on_failure(out: Path, tmp: Path, total: int):
+    """Around filling `tmp` and putting it in place as `out`: on any failure or interruption, `_discard`, and an
+    `OSError` becomes the `OutputError` a write reports (`total`: the bytes the output needs, for a full disk)."""
+    try:
+        yield
+    except OSError as e:
+        _discard(out, tmp)
+        raise _output_error(e, out, total) from e
+    except BaseException:
+        _discard(out, tmp)
+        raise
 
 
 def _discard(out: Path, tmp: Path) -> None:
@@ -611,7 +711,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _replace(tmp: Path, out: Path, overwrite: bool) -> None:
+def _replace(tmp: Path, out: Path, overwrite: bool, *, check=None) -> None:
     """Put the finished folder in place so that OUT is, at every instant, the whole old or the whole new folder.
 
     An existing OUT (checked again: nothing foreign may appear during the write) is exchanged with the new folder in
@@ -624,7 +724,7 @@ def _replace(tmp: Path, out: Path, overwrite: bool) -> None:
         os.rename(tmp, out)
         _swap_hook("swapped")
     else:
-        _check_replaceable(out, overwrite)
+        (check or _check_replaceable)(out, overwrite)  # `reshard merge` passes its own rule
         if _exchange(tmp, out):
             _fsync_dir(out.parent)
             _swap_hook("swapped")
@@ -715,6 +815,17 @@ def coordinate_sizes(plan: ReshardPlan) -> list[int]:
             for coord in range(plan.mesh.num_shard_groups)]
 
 
+def _dequantized_from(tensor: TargetTensor, index: CheckpointIndex) -> dict:
+    """`{"dequantized_from": ...}` for a tensor computed from quantized pieces (their format and keys), else {}."""
+    quantized = index.quantization.tensors if index.quantization is not None else {}
+    sources = [quantized[p.source] for p in tensor.pieces if p.source in quantized]
+    if not sources:
+        return {}
+    record = sources[0].record()
+    record["keys"] = [key for q in sources for key in q.record()["keys"]]
+    return {"dequantized_from": record}
+
+
 def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> dict:
     """The manifest document for the written `files` (their entries, every coordinate's, in any order)."""
     mesh = plan.mesh
@@ -731,6 +842,7 @@ def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> d
             "model_type": plan.layout.model_type,
             "architecture": plan.layout.architecture,
             "header_sha256": {f.name: f.digest for f in index.files},
+            **({"quantization_config": index.quantization.config} if index.quantization is not None else {}),
         },
         "mesh": mesh.to_dict(),
         "distributed_config": mesh.distributed_config_kwargs(),
@@ -738,7 +850,8 @@ def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> d
         "tensors": {
             tp.tensor.name: {"shape": list(tp.tensor.shape), "dtype": tp.tensor.dtype, "role": tp.tensor.role.value,
                              "is_param": tp.tensor.is_param, "placement": _placement_dict(tp.planned),
-                             "stock_placement": _placement_dict(tp.stock)}
+                             "stock_placement": _placement_dict(tp.stock),
+                             **_dequantized_from(tp.tensor, index)}
             for tp in plan.tensors
         },
         "order": [tp.tensor.name for tp in plan.tensors],  # file entries name runs of it (`first`, `count`)
@@ -749,4 +862,12 @@ def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> d
         ],
         "files": [entry for c in by_coord for entry in by_coord[c]],
         "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
+        # the source's on-disk keys per tensor, for `reshard merge --layout original` (reshard.dcp_source)
+        "source_layout": _source_layout(plan, index),
     }
+
+
+def _source_layout(plan: ReshardPlan, index: CheckpointIndex) -> dict | None:
+    from .dcp_source import source_layout_record
+
+    return source_layout_record(plan.layout, index)

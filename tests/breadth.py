@@ -18,7 +18,8 @@ Used by `tests/test_breadth.py` and `scripts/support_table.py` (a plain module, 
   keys; only where the two differ), after re-randomising every all-zero floating tensor except rotary ones
   (ARCHITECTURES.md 6.6).
 - `check_case()` runs one (model type, layout): plan, write at two meshes (the uneven one in the balanced and the
-  stock layout), verify against the source, load whole in one process and compare with transformers' own load.
+  stock layout), verify against the source, load whole in one process and compare with transformers' own load;
+  then merge each uneven folder back and write the balanced one again at the even mesh (`check_round_trip`).
   It returns a `CaseResult`; `support_table()` renders the results as the Markdown table README.md carries.
 """
 
@@ -521,6 +522,11 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
                     assert loaded[name].dtype == tensor.dtype, f"{name}: {loaded[name].dtype} != {tensor.dtype}"
                     assert torch.equal(loaded[name], tensor), f"{name} differs after loading {out.name}"
                 result.steps.append(f"{out.name}: written, verified, loaded")
+                if mesh_name == "uneven":  # the way back out (issue 14): merge, and from mesh to mesh
+                    check_round_trip(src, out, work / f"{out.name}-back", case_meshes["even"] if mode == "balanced"
+                                     else None, reference)
+                    result.steps.append(f"{out.name}: merged back" + (", and through the even mesh" if mode ==
+                                                                     "balanced" else ""))
                 del loaded
                 shutil.rmtree(out, ignore_errors=True)
         result.status = "pass"
@@ -531,6 +537,53 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
     finally:
         result.seconds = time.monotonic() - start
     return result
+
+
+def _saved_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def _assert_same_tensors(found: dict, expected: dict, what: str) -> None:
+    import torch
+
+    assert found.keys() == expected.keys(), (f"{what}: keys differ: missing {sorted(expected.keys() - found.keys())[:3]}"
+                                             f", extra {sorted(found.keys() - expected.keys())[:3]}")
+    for key, tensor in expected.items():
+        assert found[key].dtype == tensor.dtype and torch.equal(found[key], tensor), f"{what}: {key} differs"
+
+
+def check_round_trip(src: Path, folder: Path, work: Path, second_mesh, reference: dict) -> None:
+    """`reshard merge` of a written folder gives the source back: its key set, every tensor `torch.equal`.
+
+    With `second_mesh`, also from mesh to mesh: the folder written again at `second_mesh` (`write` reading the reshard
+    folder), merged in the original layout (and `verify --against` the source) and in the fused layout (equal to
+    transformers' own load of the source, `reference`, tied copies left out as save_pretrained does).
+    """
+    import torch
+
+    from reshard.api import write_checkpoint
+    from reshard.merge import merge_checkpoint
+    from reshard.verification import verify
+
+    source = _saved_tensors(src)
+    merge_checkpoint(folder, work / "merged", progress=False, max_shard_size=100_000)
+    _assert_same_tensors(_saved_tensors(work / "merged"), source, f"merge of {folder.name}")
+    if second_mesh is not None:
+        write_checkpoint(folder, work / "second", second_mesh, progress=False)
+        merge_checkpoint(work / "second", work / "merged", progress=False, overwrite=True)
+        _assert_same_tensors(_saved_tensors(work / "merged"), source, f"merge of {folder.name} via {second_mesh}")
+        verify(work / "merged", against=src)
+        merge_checkpoint(work / "second", work / "merged", progress=False, overwrite=True, layout="fused")
+        fused = _saved_tensors(work / "merged")
+        _assert_same_tensors(fused, {k: v for k, v in reference.items() if k in fused}, "fused merge")
+        for name in set(reference) - set(fused):  # only tied copies are left out, their bytes stored once
+            assert any(torch.equal(reference[name], t) for t in fused.values()), f"fused merge: {name} is missing"
+    shutil.rmtree(work, ignore_errors=True)
 
 
 # ---- the matrix and its table ---------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_write_json(tiny, tmp_path):
     doc = json.loads(run("write", src, out, "--fsdp", "4", "--layout", "stock", "-q", "--json", expect=0).stdout)
     manifest = json.loads((out / "reshard.json").read_text())
     assert doc == {"out": str(out), "files": 4, "bytes": sum(f["bytes"] for f in manifest["files"]),
-                   "tensors": len(manifest["tensors"]), "empty_markers": 12, "layout": "stock",
+                   "tensors": len(manifest["tensors"]), "dequantized_tensors": 0, "empty_markers": 12, "layout": "stock",
                    "mesh": {"fsdp": 4, "ep": 1, "dp_replicate": 1, "tp": 1, "pp": 1},
                    "distributed_config": {"fsdp_size": 4}}
     assert [c["empty_markers"] for c in manifest["coords"]] == [0, 0, 6, 6]  # 6 tensors empty on 2 and 3
@@ -160,7 +160,7 @@ def test_verify_json_passes_and_fails(glm):
     manifest = json.loads((out / "reshard.json").read_text())
     assert doc == {"ok": True, "folder": str(out), "against": str(src), "files": len(manifest["files"]),
                    "tensors": len(manifest["tensors"]), "empty_markers": 0, "bytes_compared": chunk_bytes(manifest),
-                   "problems": []}
+                   "dequantized_tensors": [], "problems": []}
     shard = out / manifest["files"][1]["name"]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF

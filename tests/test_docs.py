@@ -100,8 +100,10 @@ def test_readme_exit_codes_name_every_code_the_cli_uses():
 
 
 @pytest.mark.parametrize("command, fields", [
-    ("write", ["out", "files", "bytes", "tensors", "empty_markers", "layout", "mesh", "distributed_config"]),
-    ("verify", ["ok", "folder", "against", "files", "tensors", "empty_markers", "bytes_compared", "problems"]),
+    ("write", ["out", "files", "bytes", "tensors", "dequantized_tensors", "empty_markers", "layout", "mesh",
+               "distributed_config"]),
+    ("verify", ["ok", "folder", "against", "files", "tensors", "empty_markers", "bytes_compared",
+                "dequantized_tensors", "problems"]),
 ])
 def test_json_documents_are_described(command, fields):
     text = _section(f"reshard {command}")

@@ -274,7 +274,7 @@ def test_golden_layout(tiny, tmp_path):
     manifest = json.loads(text)
     assert text == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     assert set(manifest) == {"format", "version", "tool", "source", "mesh", "distributed_config", "layout",
-                             "tensors", "coords", "files", "copied", "order"}
+                             "tensors", "coords", "files", "copied", "order", "source_layout"}
     assert manifest["copied"] == sorted(p.name for p in out.iterdir() if p.name != "reshard.json"
                                         and not p.name.startswith("shard-"))
     assert (manifest["format"], manifest["version"], manifest["layout"]) == ("reshard", 2, "stock")

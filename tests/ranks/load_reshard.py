@@ -29,6 +29,8 @@ def main():
 
     def counted_load(*args, **kwargs):
         report["dcp_load_calls"] += 1
+        reader = type(kwargs.get("storage_reader"))
+        report.setdefault("readers", []).append(f"{reader.__module__}.{reader.__qualname__}")
         return dcp_load(*args, **kwargs)
 
     dcp.load = counted_load

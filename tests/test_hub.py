@@ -1,0 +1,137 @@
+"""Hub sources against a local Hub (tests/hub_server.py): the real huggingface_hub client, `HF_ENDPOINT` pointed at
+127.0.0.1, an isolated cache per test. Nothing is mocked and nothing leaves the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import hub_server
+from conftest import two_file_source
+
+REPO = "org/tiny"
+WEIGHTS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+# copies of the same weights for other runtimes, and git's own files: a Hub source must download none of them
+NEVER = {"original/params.json": b"{}", "original/consolidated.00.pth": b"\0" * 20_000,
+         "consolidated.safetensors": b"\0" * 20_000, "pytorch_model.bin": b"\0" * 20_000,
+         ".gitattributes": b"*.safetensors filter=lfs\n"}
+PROBE = 100_001  # huggingface_hub reads a safetensors header with one `Range: bytes=0-100000` request
+
+
+@pytest.fixture(scope="module")
+def hub(tiny, tmp_path_factory):
+    """The local Hub: `org/tiny` main (2 experts, two weight files + extras) and branch `v1` (4 experts)."""
+    root = tmp_path_factory.mktemp("hub")
+    local = {}
+    server_hub = hub_server.LocalHub()
+    for branch, experts in (("v1", 4), ("main", None)):
+        # a larger vocabulary than the default tiny's: each weight file must be bigger than the header probe
+        local[branch], _ = two_file_source(tiny("qwen3_moe", experts=experts, hidden_size=256), root / branch)
+        server_hub.add_folder(REPO, local[branch], branch=branch, extra={**NEVER, "README.md": b"# tiny\n"})
+    server = hub_server.start(server_hub)
+    server_hub.local = local
+    yield server_hub
+    server.shutdown()
+
+
+def cli(hub, home, *args, offline=False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_PROGRESS_BARS="1", OMP_NUM_THREADS="1", **({"HF_HUB_OFFLINE": "1"} if offline else {}))
+    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def cached_weights(home):
+    return sorted(p.name for p in (home / "hub").rglob("*.safetensors"))
+
+
+def test_plan_reads_the_headers_through_range_requests_only(hub, tmp_path):
+    hub.log.clear()
+    result = cli(hub, tmp_path, "plan", REPO, "--fsdp", 4, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model_type"] == "qwen3_moe"
+    for name in WEIGHTS:
+        size = len(hub.repos[REPO][hub.refs[REPO]["main"]][name])
+        assert size > PROBE  # else the probe would be the whole file and prove nothing
+        gets = [r for r in hub.served(REPO, name) if r.method == "GET"]
+        assert gets and all(r.range == "bytes=0-100000" for r in gets), gets
+        assert sum(r.sent for r in gets) == PROBE  # one probe per file: the header, never the tensor data past it
+    assert hub.downloaded(REPO) == {*WEIGHTS, "config.json", "model.safetensors.index.json", "generation_config.json",
+                                    "README.md"}
+    assert cached_weights(tmp_path) == []  # the probes are not cached as files
+
+
+def test_revision_picks_that_commit(hub, tmp_path):
+    def experts(*revision):
+        result = cli(hub, tmp_path, "plan", REPO, "--fsdp", 4, "--json", *revision)
+        assert result.returncode == 0, result.stderr
+        return {tuple(f["shape"]) for f in json.loads(result.stdout)["families"] if f["role"] == "expert"}
+
+    main, v1 = experts(), experts("--revision", "v1")
+    assert {s[0] for s in main} == {2} and {s[0] for s in v1} == {4}
+    result = cli(hub, tmp_path, "plan", REPO, "--fsdp", 4, "--revision", "nope")
+    assert result.returncode == 1 and "nope" in result.stderr
+
+
+def test_write_downloads_only_what_it_needs_and_the_cache_works_offline(hub, tmp_path):
+    import reshard
+
+    home = tmp_path / "home"
+    hub.log.clear()
+    result = cli(hub, home, "write", REPO, tmp_path / "out", "--fsdp", 4, "-q")
+    assert result.returncode == 0, result.stderr
+    assert hub.downloaded(REPO) == {*WEIGHTS, "config.json", "model.safetensors.index.json", "generation_config.json",
+                                    "README.md"}  # no original/, *.pth, *.bin, consolidated.*, .gitattributes
+    assert reshard.verify(tmp_path / "out", against=hub.local["main"])["ok"]
+
+    # offline, fully cached: the same write, and not one request
+    hub.log.clear()
+    result = cli(hub, home, "write", REPO, tmp_path / "offline", "--fsdp", 4, "-q", offline=True)
+    assert result.returncode == 0, result.stderr
+    assert hub.log == []
+    # offline, partly cached (one weight file gone from the cache): huggingface_hub refuses the snapshot
+    for path in (home / "hub").rglob(WEIGHTS[1]):
+        os.unlink(path.resolve())
+        path.unlink()
+    result = cli(hub, home, "write", REPO, tmp_path / "partial", "--fsdp", 4, "-q", offline=True)
+    assert result.returncode == 1
+    assert "HF_HUB_OFFLINE is set and the repo is not in the local cache (or only some of the files it needs are)" \
+        in result.stderr, result.stderr
+    assert not (tmp_path / "partial").exists()
+    # a plan reads the cached snapshot as a local folder, and names the missing shard
+    result = cli(hub, home, "plan", REPO, "--fsdp", 4, offline=True)
+    assert result.returncode == 1 and f"'{WEIGHTS[1]}': the file does not exist" in result.stderr, result.stderr
+    # online again: only the missing file is downloaded
+    hub.log.clear()
+    result = cli(hub, home, "write", REPO, tmp_path / "partial", "--fsdp", 4, "-q")
+    assert result.returncode == 0, result.stderr
+    assert {n for n in hub.downloaded(REPO) if n.endswith(".safetensors")} == {WEIGHTS[1]}
+    # offline, never cached
+    result = cli(hub, tmp_path / "empty", "plan", REPO, "--fsdp", 4, offline=True)
+    assert result.returncode == 1 and "HF_HUB_OFFLINE is set and the repo is not in the local cache" in result.stderr
+
+
+def test_a_download_that_fails_halfway_leaves_nothing_and_the_next_run_succeeds(hub, tmp_path):
+    import reshard
+
+    out, home = tmp_path / "models" / "out", tmp_path / "home"
+    out.parent.mkdir()
+    hub.fail(REPO, WEIGHTS[1])  # half the body, the connection dropped, then 500 on the retry
+    try:
+        result = cli(hub, home, "write", REPO, out, "--fsdp", 4, "-q")
+    finally:
+        hub.heal()
+    assert result.returncode == 1 and "cannot fetch from the Hub" in result.stderr, result.stderr
+    assert list(out.parent.iterdir()) == []  # no OUT, no temporary folder, no lock beside it
+    assert WEIGHTS[1] not in cached_weights(home)
+    assert not [p for p in (home / "hub").rglob("*") if p.name.endswith(".incomplete")]
+    result = cli(hub, home, "write", REPO, out, "--fsdp", 4, "-q")
+    assert result.returncode == 0, result.stderr
+    assert reshard.verify(out, against=hub.local["main"])["ok"]
+    shutil.rmtree(out)
