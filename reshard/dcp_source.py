@@ -16,7 +16,7 @@ a tensor whose chunks overlap, leave a gap, or disagree on dtype is an error nam
 
 The on-disk layout of the checkpoint a folder came from (which on-disk keys, at which offsets, make each in-memory
 tensor) is what `reshard merge --layout original` writes back: a reshard folder records it in its manifest
-(`source_layout`, written since reshard 0.14's manifest); for a saved folder it is what transformers'
+(`source_layout`; folders written before it was recorded can be merged with `--layout fused` only); for a saved folder it is what transformers'
 `save_pretrained` would write for that model type (its reverse conversion), mapped to offsets with the same forward
 machinery `write` uses.
 """
