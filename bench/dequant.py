@@ -119,11 +119,11 @@ def compute_only(src: str) -> None:
     import torch
 
     from reshard.api import read_source
-    from reshard.dequant import Dequantizer
-    from reshard.experts import find_experts
-    from reshard.mesh import MeshSpec
-    from reshard.plan import make_plan
-    from reshard.write import coordinate_chunks
+    from reshard.runs.dequant import Dequantizer
+    from reshard.read.experts import find_experts
+    from reshard.plan.mesh import MeshSpec
+    from reshard.plan.placement import make_plan
+    from reshard.plan.files import coordinate_chunks
 
     torch.set_num_threads(1)
     index = read_source(src, need_data=True)

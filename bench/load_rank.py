@@ -152,9 +152,9 @@ def install_phases(mode: str, model_cls) -> None:
          "adjust_generation_fn (generation config)"),
     ]
     if mode != "stock":
-        import reshard.loader as rl
-        import reshard.local_read as local_read
-        import reshard.storage as storage
+        import reshard.load.loader as rl
+        import reshard.load.local_read as local_read
+        import reshard.load.storage as storage
 
         targets += [
             (rl, "read_manifest", "reshard: read_manifest"),
@@ -258,7 +258,7 @@ def install_read_counter() -> ReadCounter:
 # ---- reshard's own-file reads -------------------------------------------------------------------------------
 
 class _CountedFile:
-    """A file `reshard.storage` opened: every byte read through it is counted (headers included)."""
+    """A file `reshard.load.storage` opened: every byte read through it is counted (headers included)."""
 
     def __init__(self, inner, name, counter):
         self._inner, self._name, self._counter = inner, name, counter
@@ -286,8 +286,8 @@ class _CountedFile:
 def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
     """Count what `reshard.StorageReader` reads (every file it opens, every byte); for `reshard-ownfile`, make the
     patch take the own-file reader it used before the storage reader (`local_read.load_local_shards`)."""
-    import reshard.local_read as local_read
-    import reshard.storage as storage
+    import reshard.load.local_read as local_read
+    import reshard.load.storage as storage
 
     open_file = storage._open
 
@@ -300,7 +300,7 @@ def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
         import transformers.distributed.mixin as mixin
         from pathlib import Path
 
-        import reshard.patch as patch
+        import reshard.load.patch as patch
         from reshard.manifest import Manifest
 
         read_file = local_read.read_file
@@ -323,7 +323,7 @@ def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
     elif mode == "reshard-dcp":
         import transformers.distributed.mixin as mixin
 
-        import reshard.patch as patch
+        import reshard.load.patch as patch
 
         mixin._load_model_checkpoint_distributed = patch._originals[(mixin, "_load_model_checkpoint_distributed")]
 
@@ -352,7 +352,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     if mode != "stock":
         import reshard
-        import reshard.loader  # noqa: F401  (what reshard.from_pretrained imports on first use)
+        import reshard.load.loader  # noqa: F401  (what reshard.from_pretrained imports on first use)
 
         reshard.patch_transformers()  # idempotent: installed now so the phase timers wrap the patched functions
     config = AutoConfig.from_pretrained(folder)

@@ -46,12 +46,13 @@ def main() -> None:
 
     from plan_scale import GLM46_CONFIG, write_sparse_checkpoint
 
-    from reshard.checkpoint import read_checkpoint
-    from reshard.experts import find_experts
+    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.experts import find_experts
     from reshard.manifest import Manifest, coverage_problems, dump_manifest
-    from reshard.mesh import MeshSpec
-    from reshard.plan import local_box, make_plan
-    from reshard.write import _manifest, coordinate_chunks, coordinate_sizes
+    from reshard.plan.mesh import MeshSpec
+    from reshard.plan.placement import local_box, make_plan
+    from reshard.write.shards import _manifest
+    from reshard.plan.files import coordinate_chunks, coordinate_sizes
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["RESHARD_CACHE_DIR"] = ""  # no layout cache: the layout is built here, once

@@ -250,14 +250,15 @@ def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> tuple[list, l
         import torch  # noqa: F401
         import transformers  # noqa: F401
 
-        from reshard import experts, report  # noqa: F401
+        from reshard.plan import report  # noqa: F401
+        from reshard.read import experts  # noqa: F401
 
     timed("import torch, transformers", imports)
-    from reshard.checkpoint import read_checkpoint
-    from reshard.experts import _gc_paused, build_meta_model, layout_from_model
-    from reshard.mesh import MeshSpec
-    from reshard.plan import make_plan, summarize
-    from reshard.report import plan_to_dict
+    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.experts import _gc_paused, build_meta_model, layout_from_model
+    from reshard.plan.mesh import MeshSpec
+    from reshard.plan.placement import make_plan, summarize
+    from reshard.plan.report import plan_to_dict
 
     index = timed("read_checkpoint (headers)", lambda: read_checkpoint(folder))
     with _gc_paused(freeze=True):  # as find_experts runs them in a process that had not imported torch
@@ -273,7 +274,7 @@ def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> tuple[list, l
     # where the time goes: accumulate the time spent inside a few functions (a warm second pass)
     import transformers.core_model_loading as cml
 
-    from reshard import checkpoint, experts
+    from reshard.read import checkpoint, experts
 
     targets = [(checkpoint, "_checked_file_names"), (checkpoint, "read_header"), (cml, "dot_natural_key"),
                (cml, "rename_source_key"), (experts, "_compose"), (experts, "expert_param_names")]

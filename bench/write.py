@@ -240,7 +240,7 @@ def profile_write(src: Path, work: Path, fsdp: int) -> None:
 
     sys.path.insert(0, str(REPO))
     from reshard.api import write_checkpoint
-    from reshard.mesh import MeshSpec
+    from reshard.plan.mesh import MeshSpec
 
     out = work / "out-profile"
     profiler = cProfile.Profile()

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from .checkpoint import CheckpointIndex, read_checkpoint
+from .read.checkpoint import CheckpointIndex, read_checkpoint
 from .errors import UsageError
-from .mesh import MeshSpec
-from .plan import LayoutMode, ReshardPlan, make_plan
-from .quant import OUTPUT_DTYPES, dequantized_view, detect_quantization
+from .plan.mesh import MeshSpec
+from .plan.placement import LayoutMode, ReshardPlan, make_plan
+from .read.quant import OUTPUT_DTYPES, dequantized_view, detect_quantization
 
 
 def read_source(source, *, revision: str | None = None, need_data: bool = False) -> CheckpointIndex:
-    """`read_checkpoint`, and for a quantized checkpoint its bf16 view (`reshard.quant.dequantized_view`): what every
-    command plans, writes and verifies against."""
+    """`read_checkpoint`, and for a quantized checkpoint its bf16 view (`reshard.read.quant.dequantized_view`):
+    what every command plans, writes and verifies against."""
     index = read_checkpoint(source, revision=revision, need_data=need_data)
     quantization = detect_quantization(index)
     return index if quantization is None else dequantized_view(index, quantization)
@@ -34,7 +34,7 @@ def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMo
     Raises:
         ReshardError: any problem with the source, the architecture or the mesh.
     """
-    from .experts import find_experts
+    from .read.experts import find_experts
 
     index = read_source(source, revision=revision, need_data=need_data)
     layout = find_experts(index)
@@ -47,15 +47,15 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
                      revision: str | None = None, overwrite: bool = False, max_shard_size: int | None = None,
                      progress: bool | None = None, workers: int | None = 1, distributed: bool = False,
                      dequantize: str | None = None) -> dict | None:
-    """Plan `source` on `mesh` and write it to `out` (see `reshard.write.write_shards`).
+    """Plan `source` on `mesh` and write it to `out` (see `reshard.write.shards.write_shards`).
 
     Args:
-        workers: processes writing in parallel on this machine (`reshard.parallel.write_with_workers`); 1 writes in
-            this process, None picks `reshard.parallel.default_workers`. Above 1, call this under
+        workers: processes writing in parallel on this machine (`reshard.write.parallel.write_with_workers`); 1
+            writes in this process, None picks `reshard.write.parallel.default_workers`. Above 1, call this under
             `if __name__ == "__main__":` (the workers are spawned). Not with `distributed`.
         distributed: this process is one rank of a job (torchrun) and every rank calls this with the same
             arguments: each reads `source` on its own node and writes its share of the files into `out`, on a file
-            system they all share (`reshard.parallel.write_distributed`).
+            system they all share (`reshard.write.parallel.write_distributed`).
         dequantize: `bf16` to write a quantized source (FP8 block-scaled, MXFP4) as bf16 rank files in one pass;
             required for such a source, ignored for any other.
 
@@ -68,14 +68,14 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         ValueError: `workers` above 1 with `distributed`.
     """
     from .errors import ArchitectureError
-    from .experts import find_experts
-    from .write import write_shards
+    from .read.experts import find_experts
+    from .write.shards import write_shards
 
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
 
     def read_and_plan():
-        from .dcp_source import dcp_kind, read_dcp_source
+        from .read.dcp_source import dcp_kind, read_dcp_source
 
         if dcp_kind(source):  # a reshard folder or a saved distributed checkpoint: from mesh to mesh
             index, layout = read_dcp_source(source)
@@ -86,7 +86,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
                 raise UsageError(f"{source} is quantized ({index.quantization.describe()}); FSDP2 trains bf16 "
                                  "weights, so pass --dequantize bf16 to write bf16 rank files in one pass "
                                  "(reshard.write_checkpoint(..., dequantize='bf16')).")
-            from .dequant import check_decodable
+            from .runs.dequant import check_decodable
 
             check_decodable(index)
         layout = find_experts(index)
@@ -98,7 +98,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         if workers not in (None, 1):
             raise ValueError("workers > 1 is for a write on one machine; in a distributed write each rank writes its "
                              "share (start more ranks per node instead).")
-        from .parallel import write_distributed
+        from .write.parallel import write_distributed
 
         return write_distributed(read_and_plan, out, overwrite=overwrite, max_shard_size=max_shard_size,
                                  progress=progress)

@@ -3,7 +3,8 @@
 Each command validates its flags, calls one library function and prints a summary (or `--json`). Errors reach
 the user through one boundary (`ReshardGroup.invoke`): a bad call, or flags that cannot work with the input
 (`UsageError`: a mesh the model does not fit, a quantized source without --dequantize) exits 2 with the usage line,
-any other `ReshardError` becomes its message and exit 1, `--debug` shows the traceback; Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), after cleaning up.
+any other `ReshardError` becomes its message and exit 1, `--debug` shows the traceback; Ctrl-C exits 130 and
+SIGTERM 143 (128 + the signal), after cleaning up.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ class ReshardGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            from .write import sigterm_as_interrupt
+            from .write.shards import sigterm_as_interrupt
 
             with sigterm_as_interrupt():
                 return super().invoke(ctx)
         except UsageError as e:
             if ctx.params.get("debug"):
                 raise
-            # The flags are the cause (a mesh that cannot hold the model, a quantized source without --dequantize): show the command's usage, as click does for a flag it rejects itself.
+            # The flags are the cause (a mesh that cannot hold the model, a quantized source without --dequantize):
+            # show the command's usage, as click does for a flag it rejects itself.
             command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
             usage_ctx = click.Context(command, info_name=ctx.invoked_subcommand, parent=ctx) if command else ctx
             raise click.UsageError(str(e), ctx=usage_ctx) from e
@@ -70,7 +72,7 @@ def mesh_options(func):
                   help="pp_size: pipeline parallelism (not supported yet: must be 1).")
     @functools.wraps(func)
     def wrapper(*args, fsdp, ep, dp_replicate, tp, pp, **kwargs):
-        from .mesh import MeshSpec
+        from .plan.mesh import MeshSpec
 
         try:
             mesh = MeshSpec(fsdp=fsdp, ep=ep, dp_replicate=dp_replicate, tp=tp, pp=pp)
@@ -123,7 +125,7 @@ def plan(src, mesh, mode, revision, as_json):
       reshard plan zai-org/GLM-4.6 --fsdp 64 --ep 8
     """
     from .api import plan_checkpoint
-    from .report import plan_to_dict, render_plan
+    from .plan.report import plan_to_dict, render_plan
 
     result = plan_checkpoint(src, mesh, mode=mode, revision=revision)
     if result is None:
@@ -217,7 +219,7 @@ def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, di
     from .api import write_checkpoint
 
     if distributed is None:
-        from .loader import launcher_world_size
+        from .load.loader import launcher_world_size
 
         distributed = (launcher_world_size() or 1) > 1
     if distributed and workers not in (None, 1):
@@ -246,7 +248,7 @@ def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, di
 
 
 def plan_mesh_repr(manifest: dict) -> str:
-    from .mesh import MeshSpec
+    from .plan.mesh import MeshSpec
 
     return MeshSpec(**manifest["mesh"]).distributed_config_repr()
 
@@ -281,8 +283,12 @@ def verify_command(out, against, revision, no_checksums, quiet, as_json):
         raise click.ClickException(f"{out}: {len(problems)} problem(s).")
     if as_json:
         return
-    click.echo(f"OK {out}: {summary['files']} files, {summary['tensors']} tensors, {summary['empty_markers']} "
-               f"explicit empty marker(s), every tensor covered exactly once"
+    if summary.get("kind") == "merged":  # a plain HF checkpoint, as `reshard merge` writes it
+        what = f"{summary['files']} files, {summary['tensors']} tensors, index and headers agree"
+    else:
+        what = (f"{summary['files']} files, {summary['tensors']} tensors, {summary['empty_markers']} explicit empty "
+                "marker(s), every tensor covered exactly once")
+    click.echo(f"OK {out}: {what}"
                + (f", {summary['bytes_compared']} bytes equal to {against}" if against else "")
                + (f" ({len(summary['dequantized_tensors'])} tensors recomputed from its quantized weights)"
                   if summary["dequantized_tensors"] else "") + ".")
@@ -380,7 +386,7 @@ def merge_command(src, dest, max_shard_size, layout, overwrite, quiet, as_json):
       reshard merge ./ckpt-step1000 ./published            # original layout, 5GB files
       reshard verify ./published --against ./ckpt-step1000 # every tensor equal, byte for byte
     """
-    from .merge import merge_checkpoint
+    from .write.merge import merge_checkpoint
 
     summary = merge_checkpoint(src, dest, max_shard_size=max_shard_size, layout=layout, overwrite=overwrite,
                                progress=False if quiet else None)

@@ -30,8 +30,8 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
         ReshardError: any step failed (the message says which and why).
     """
     from .api import plan_checkpoint, write_checkpoint
-    from .mesh import MeshSpec
-    from .report import render_plan
+    from .plan.mesh import MeshSpec
+    from .plan.report import render_plan
     from .tiny import make_tiny_checkpoint
     from .verification import verify
 
@@ -92,7 +92,7 @@ def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float) -> 
 
 
 def _report(echo, plan, manifest, per_rank, ranks, elapsed) -> None:
-    from .plan import summarize
+    from .plan.placement import summarize
 
     _, stats = summarize(plan)
     empty = stats["stock_empty_ranks"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import VerifyError
-from .mesh import MeshSpec
+from .plan.mesh import MeshSpec
 
 MANIFEST_NAME = "reshard.json"
 MANIFEST_FORMAT = "reshard"
@@ -118,7 +118,7 @@ class Manifest:
 
 def placement_of(info: dict):
     """The `Placement` a manifest tensor entry records."""
-    from .plan import Kind, Placement
+    from .plan.placement import Kind, Placement
 
     p = info["placement"]
     return Placement(Kind(p["kind"]), p["shard_dim"], p["degree"], p["ep"])
@@ -126,7 +126,7 @@ def placement_of(info: dict):
 
 def file_chunks(data: dict, entry: dict) -> list[Chunk]:
     """The chunks of one file entry of a manifest document (pure; O(tensors in the file))."""
-    from .plan import local_box
+    from .plan.placement import local_box
 
     mesh = MeshSpec(**data["mesh"])
     tensors = data["tensors"]
@@ -230,7 +230,7 @@ def coverage_problems(data: dict) -> list[str]:
 
 def _tiling_problem(shape: tuple[int, ...], placement, mesh: MeshSpec) -> str | None:
     """Whether a tensor's chunks over every coordinate tile it exactly once; what is wrong, or None."""
-    from .plan import Kind, local_box
+    from .plan.placement import Kind, local_box
 
     boxes = [local_box(shape, placement, mesh, c) for c in range(mesh.num_shard_groups)]
     if placement.kind is Kind.REPLICATED:

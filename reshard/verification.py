@@ -11,10 +11,11 @@ import os
 import zlib
 from pathlib import Path
 
-from .checkpoint import DTYPE_BITS, read_header
+from .read.checkpoint import DTYPE_BITS, read_header
 from .errors import MeshError, ReshardError, VerifyError
 from .manifest import MANIFEST_NAME, coverage_problems, header_problems, read_manifest
-from .write import COPY_BUFFER_BYTES, chunk_runs
+from .write.shards import COPY_BUFFER_BYTES
+from .runs.byte_runs import chunk_runs
 
 
 def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = None, revision: str | None = None,
@@ -61,7 +62,7 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
     Raises:
         ReshardError: the source given as `against` cannot be read.
     """
-    from .merge import is_merged_folder
+    from .write.merge import is_merged_folder
 
     if is_merged_folder(folder):  # a `reshard merge` output (a plain HF checkpoint)
         return check_merged(folder, against=against, revision=revision, progress=progress)
@@ -157,7 +158,7 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequa
 def _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized) -> int:
     """Compare each chunk's bytes with the bytes the source pieces give for that region; a dequantized chunk with
     the values `write --dequantize` computes from the source (its names are added to `dequantized`)."""
-    from .experts import find_experts
+    from .read.experts import find_experts
 
     from .api import read_source
 
@@ -165,7 +166,7 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
     layout = find_experts(index).by_name()
     dequantizer = None
     if index.quantization is not None:
-        from .dequant import Dequantizer, check_decodable
+        from .runs.dequant import Dequantizer, check_decodable
 
         check_decodable(index)
         dequantizer = Dequantizer(index)
@@ -234,7 +235,7 @@ def check_merged(folder: str | os.PathLike, *, against: str | os.PathLike | None
     Returns:
         The same summary fields as `check_folder` (`empty_markers` is 0), plus `kind: "merged"`.
     """
-    from .checkpoint import INDEX_NAME, read_checkpoint
+    from .read.checkpoint import INDEX_NAME, read_checkpoint
 
     folder = Path(folder)
     summary = {"ok": False, "folder": str(folder), "against": None if against is None else str(against),
@@ -264,9 +265,9 @@ def check_merged(folder: str | os.PathLike, *, against: str | os.PathLike | None
 
 def _source_view(against, revision):
     """(index, layout, the on-disk keys of the source layout, the in-memory names a fused copy holds)."""
-    from .checkpoint import read_checkpoint
-    from .dcp_source import _tied_from_record, dcp_kind, read_dcp_source
-    from .experts import find_experts
+    from .read.checkpoint import read_checkpoint
+    from .read.dcp_source import _tied_from_record, dcp_kind, read_dcp_source
+    from .read.experts import find_experts
 
     if dcp_kind(against):
         index, layout = read_dcp_source(against)
@@ -283,7 +284,7 @@ def _source_view(against, revision):
 def _compare_merged(dest, against, revision, progress, problems) -> int:
     from tqdm.auto import tqdm
 
-    from .experts import find_experts
+    from .read.experts import find_experts
 
     src_index, src_layout, original_keys, fused_keys = _source_view(against, revision)
     keys = set(dest.tensors)

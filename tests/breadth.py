@@ -355,7 +355,7 @@ def generate(model_type: str, path: str | Path, *, fused: bool, seed: int = 0, *
 
 
 def saved_keys(folder: Path) -> set[str]:
-    from reshard.checkpoint import read_checkpoint
+    from reshard.read.checkpoint import read_checkpoint
 
     return set(read_checkpoint(folder).tensors)
 
@@ -375,7 +375,7 @@ def meshes(num_experts: int):
     With an even expert count both use ep 2: `fsdp = E + 2` gives efsdp `E/2 + 1` over `E/2` experts (one empty),
     `fsdp = E` gives one expert per rank. Otherwise no EP: `fsdp = E + 1` and `fsdp = E`.
     """
-    from reshard.mesh import MeshSpec
+    from reshard.plan.mesh import MeshSpec
 
     if num_experts % 2 == 0:
         return {"uneven": MeshSpec(fsdp=num_experts + 2, ep=2), "even": MeshSpec(fsdp=num_experts, ep=2)}
@@ -430,7 +430,7 @@ class CaseResult:
 
 
 def _expert_summary(layout):
-    from reshard.plan import family_of
+    from reshard.plan.placement import family_of
 
     experts = layout.experts
     layers = sorted({re.search(r"\.(\d+)\.", t.name).group(1) for t in experts if re.search(r"\.(\d+)\.", t.name)},
@@ -453,10 +453,10 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
 
     from reshard.api import plan_checkpoint, write_checkpoint
     from reshard.errors import ReshardError
-    from reshard.layout import Role
-    from reshard.loader import from_pretrained
-    from reshard.mesh import MeshSpec
-    from reshard.plan import box_is_empty, make_plan
+    from reshard.plan.layout import Role
+    from reshard.load.loader import from_pretrained
+    from reshard.plan.mesh import MeshSpec
+    from reshard.plan.placement import box_is_empty, make_plan
     from reshard.verification import verify
 
     def clean(message: str) -> str:  # no temporary paths in reasons: the support table must be reproducible
@@ -567,7 +567,7 @@ def check_round_trip(src: Path, folder: Path, work: Path, second_mesh, reference
     import torch
 
     from reshard.api import write_checkpoint
-    from reshard.merge import merge_checkpoint
+    from reshard.write.merge import merge_checkpoint
     from reshard.verification import verify
 
     source = _saved_tensors(src)

@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from reshard import cache
-from reshard.checkpoint import read_checkpoint
-from reshard.experts import build_meta_model, find_experts, layout_from_model
+from reshard.read import cache
+from reshard.read.checkpoint import read_checkpoint
+from reshard.read.experts import build_meta_model, find_experts, layout_from_model
 
 
 def test_cached_layout_equals_a_fresh_build(tiny, monkeypatch, tmp_path):
@@ -99,7 +99,8 @@ def test_an_edit_to_the_planning_code_misses_the_cache(tiny, tmp_path):
 
     src = tiny("mixtral")
     copy = tmp_path / "copy"
-    shutil.copytree(Path(cache.__file__).parent, copy / "reshard", ignore=shutil.ignore_patterns("__pycache__"))
+    package = Path(cache.__file__).parents[1]  # reshard/, above reshard/read/cache.py
+    shutil.copytree(package, copy / "reshard", ignore=shutil.ignore_patterns("__pycache__"))
     code = ("import sys, reshard, reshard.cli as c; sys.argv = ['reshard', 'plan', {src!r}, '--fsdp', '5', '--json']"
             "\ntry:\n    c.main()\nexcept SystemExit:\n    pass\n"
             "print(reshard.__file__, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
@@ -114,10 +115,10 @@ def test_an_edit_to_the_planning_code_misses_the_cache(tiny, tmp_path):
         return module_file, torch_state
 
     installed, state = plan(None)
-    assert Path(installed).parent == Path(cache.__file__).parent and state == "TORCH"
+    assert Path(installed).parent == package and state == "TORCH"
     copied, state = plan(str(copy))
     assert Path(copied).parent == copy / "reshard" and state == "NO-TORCH"
-    with open(copy / "reshard" / "experts.py", "a") as f:
+    with open(copy / "reshard" / "read" / "experts.py", "a") as f:
         f.write("\n# a later release\n")
     assert plan(str(copy)) == (copied, "TORCH")
     assert len(list((tmp_path / "cache").glob("*.json"))) == 2

@@ -1,4 +1,4 @@
-"""Header reading and validation (`reshard.checkpoint`) over hand-built safetensors files, and Hub sources.
+"""Header reading and validation (`reshard.read.checkpoint`) over hand-built safetensors files, and Hub sources.
 
 Every malformed input must raise `CheckpointError` naming the file (and the entry, where there is one); nothing
 here reads tensor data, and nothing touches the network (Hub tests run offline against a hand-built cache).
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reshard.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, parse_header, read_checkpoint, read_header
+from reshard.read.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, parse_header, read_checkpoint, read_header
 from reshard.errors import CheckpointError, ReshardError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -379,7 +379,7 @@ import json, mmap, sys
 def rchar():
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
-from reshard.checkpoint import read_checkpoint
+from reshard.read.checkpoint import read_checkpoint
 def refuse(*a, **k):
     raise AssertionError("mmap")
 mmap.mmap = refuse

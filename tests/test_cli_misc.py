@@ -22,7 +22,7 @@ from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import MeshError, VerifyError
 from reshard.manifest import dcp_metadata, file_chunks
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 from reshard.verification import verify
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ SLOW_VERIFY = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     # a shell may start background jobs with SIGINT ignored; a terminal's Ctrl-C raises KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    import reshard.checkpoint as checkpoint
+    import reshard.read.checkpoint as checkpoint
     started = Path({marker!r})
     stock_read_header = checkpoint.read_header
 

@@ -61,7 +61,7 @@ def test_every_public_name_has_a_docstring(name):
 
 def test_every_troubleshooting_message_is_one_the_code_can_print():
     """Each message quoted in the troubleshooting table appears (as a fragment) in the package source."""
-    source = "\n".join(p.read_text() for p in (ROOT / "reshard").glob("*.py"))
+    source = "\n".join(p.read_text() for p in sorted((ROOT / "reshard").rglob("*.py")))
     source = re.sub(r'"\s*\n\s*(?:f|rf|fr)?"', "", source)  # join string literals split over lines
     table = README.split("## Troubleshooting", 1)[1].split("\n## ", 1)[0]
     fragments = re.findall(r"^\| `([^`]+)`", table, re.M)

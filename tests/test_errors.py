@@ -13,7 +13,7 @@ import torch
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 
 
 def run(*args, env=None):

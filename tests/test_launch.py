@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 
 from conftest import RANK_SCRIPTS, run_ranks
 
@@ -85,7 +85,7 @@ def test_patched_transformers_from_pretrained_takes_the_manifests_mesh_under_tor
 def test_without_a_launcher_the_whole_model_loads_in_one_process(tiny, tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from reshard.loader import in_distributed_job
+    from reshard.load.loader import in_distributed_job
 
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(variable, raising=False)

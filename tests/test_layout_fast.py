@@ -65,7 +65,7 @@ def meta_model(model_type: str):
 
 def index_of(state: dict, model_type: str, seed: int = 0):
     """A `CheckpointIndex` holding `state`'s names, dtypes and shapes, in a shuffled order."""
-    from reshard.checkpoint import CheckpointIndex, TensorEntry
+    from reshard.read.checkpoint import CheckpointIndex, TensorEntry
 
     items = list(state.items())
     random.Random(seed).shuffle(items)
@@ -89,8 +89,8 @@ def both_layouts(model, index, monkeypatch):
     import transformers.core_model_loading as loading
 
     from reshard.errors import ReshardError
-    from reshard.experts import layout_from_model
-    from reshard.layout import layout_to_dict
+    from reshard.read.experts import layout_from_model
+    from reshard.plan.layout import layout_to_dict
 
     calls = []
     rename = loading.rename_source_key
@@ -118,7 +118,7 @@ def _types():
 @pytest.mark.parametrize("layout", breadth.LAYOUTS)
 @pytest.mark.parametrize("model_type", _types())
 def test_fast_layout_equals_full_layout(model_type, layout, monkeypatch):
-    from reshard.experts import _indices_are_opaque
+    from reshard.read.experts import _indices_are_opaque
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     model = meta_model(model_type)
@@ -184,7 +184,7 @@ KEYS = [f"blocks.{layer}.experts.{e}.w" for layer in range(5) for e in range(4)]
 
 def _by_template(rename):
     """`_rename_by_template` over KEYS, and how many times it called `rename`."""
-    from reshard.experts import _rename_by_template
+    from reshard.read.experts import _rename_by_template
 
     meta_state = {rename(k)[0] for k in KEYS}
     calls = []
@@ -228,13 +228,13 @@ def test_index_agnostic_renaming_is_learnt_from_few_keys(rename):
 def test_index_specific_patterns_are_recognised(pattern, opaque):
     from transformers.core_model_loading import WeightRenaming
 
-    from reshard.experts import _indices_are_opaque
+    from reshard.read.experts import _indices_are_opaque
 
     assert _indices_are_opaque([WeightRenaming(pattern, "y")], "model", {}) is opaque
 
 
 def test_a_prefix_ambiguous_state_dict_is_renamed_key_by_key():
-    from reshard.experts import _indices_are_opaque
+    from reshard.read.experts import _indices_are_opaque
 
     assert _indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.1.w": 0, "model": 0})
     assert not _indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.0.w": 0})
@@ -248,8 +248,8 @@ def test_a_cache_miss_leaves_the_collector_as_it_found_it(tiny, monkeypatch):
     """With torch already imported (as here) nothing is frozen, and the collector ends as it was, on or off."""
     import gc
 
-    from reshard.checkpoint import read_checkpoint
-    from reshard.experts import find_experts
+    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.experts import find_experts
 
     monkeypatch.setenv("RESHARD_CACHE_DIR", "")
     index = read_checkpoint(tiny("glm4_moe"))
@@ -270,7 +270,7 @@ def test_the_first_import_is_frozen(tiny):
     import subprocess
     import sys
 
-    code = ("import gc, sys; from reshard.checkpoint import read_checkpoint; from reshard.experts import find_experts; "
+    code = ("import gc, sys; from reshard.read.checkpoint import read_checkpoint; from reshard.read.experts import find_experts; "
             "assert 'torch' not in sys.modules; find_experts(read_checkpoint(sys.argv[1])); "
             "print(gc.isenabled(), gc.get_freeze_count() > 100_000)")
     result = subprocess.run([sys.executable, "-c", code, str(tiny("glm4_moe"))], capture_output=True, text=True,

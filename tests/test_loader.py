@@ -11,7 +11,7 @@ import torch
 
 import reshard
 from reshard.api import write_checkpoint
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 
 from conftest import run_ranks
 
@@ -27,7 +27,7 @@ def load(mode, folder, src, tmp_path, fsdp, ep=1, *, check=True, timeout=240):
     return result, out
 
 
-OWN_READER = ["reshard.storage.StorageReader"]  # one dcp.load, with reshard's reader: each rank reads its own files
+OWN_READER = ["reshard.load.storage.StorageReader"]  # one dcp.load, with reshard's reader: each rank reads its own files
 
 
 def assert_loaded_exactly(reports, ep=1, *, readers=None):
@@ -117,7 +117,7 @@ def test_balanced_layout_gives_every_rank_the_same_expert_bytes(tiny, tmp_path):
 
 def test_each_rank_checks_its_own_files(tiny, tmp_path):
     """What a rank reports before loading (the multi-rank test below shows every rank stopping on it)."""
-    from reshard.loader import _check_own_files
+    from reshard.load.loader import _check_own_files
     from reshard.manifest import read_manifest
 
     out = tmp_path / "out"
@@ -138,8 +138,8 @@ def test_each_rank_checks_its_own_files(tiny, tmp_path):
 
 def _read_plan(folder, rank, checksums=True):
     """A one-process stand-in for `plan_reads`: every tensor of the rank's files into a fresh CPU tensor."""
-    from reshard.checkpoint import read_header
-    from reshard.local_read import _FileReads, _Read, torch_dtype
+    from reshard.read.checkpoint import read_header
+    from reshard.load.local_read import _FileReads, _Read, torch_dtype
     from reshard.manifest import read_manifest
 
     manifest = read_manifest(folder)
@@ -157,7 +157,7 @@ def test_reads_through_the_staging_buffers_are_exact(tmp_path, layout):
     """The accelerator path on the host: chunks through two reused buffers (7 bytes here), the CRC worker behind."""
     import zlib
 
-    from reshard.local_read import _BackgroundCrc, _read_tensor, _Staging
+    from reshard.load.local_read import _BackgroundCrc, _read_tensor, _Staging
 
     data = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
     path = tmp_path / "blob"
@@ -174,7 +174,7 @@ def test_reads_through_the_staging_buffers_are_exact(tmp_path, layout):
 def test_own_file_reads_are_exact_and_catch_a_flipped_byte(tiny, tmp_path):
     from safetensors.torch import load_file
 
-    from reshard.local_read import read_file
+    from reshard.load.local_read import read_file
 
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
@@ -311,7 +311,7 @@ def test_patched_transformers_loads_a_reshard_folder_without_a_process_group(tin
 
 
 def test_the_fallback_crc_pass_reports_a_missing_file_instead_of_raising(tiny, tmp_path):
-    from reshard.local_read import _own_files_problem
+    from reshard.load.local_read import _own_files_problem
     from reshard.manifest import read_manifest
 
     out = tmp_path / "out"
@@ -323,7 +323,7 @@ def test_the_fallback_crc_pass_reports_a_missing_file_instead_of_raising(tiny, t
 
 
 def test_a_users_key_mapping_is_kept_on_the_distributed_checkpoint_path():
-    from reshard.patch import _dcp_path, _wrap_conversion_mapping
+    from reshard.load.patch import _dcp_path, _wrap_conversion_mapping
 
     mapping = _wrap_conversion_mapping(lambda model, key_mapping=None, *rest: ["built", key_mapping])
     token = _dcp_path.set(True)
@@ -361,7 +361,7 @@ def test_patch_refuses_other_transformers_versions(monkeypatch):
 def test_from_pretrained_removes_the_patch_it_installed_but_keeps_the_users(tiny, tmp_path):
     import transformers.modeling_utils as mu
 
-    from reshard.patch import is_patched
+    from reshard.load.patch import is_patched
 
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
@@ -376,7 +376,7 @@ def test_from_pretrained_removes_the_patch_it_installed_but_keeps_the_users(tiny
 
 
 def test_the_whole_model_path_checks_checksums_and_coverage(tiny, tmp_path):
-    from reshard.loader import assemble_state_dict
+    from reshard.load.loader import assemble_state_dict
 
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
@@ -423,7 +423,7 @@ def test_the_patched_materialization_moves_a_real_buffer_to_the_target_device(ti
     GPU here, so the target is `meta`: the branch is the one a CPU-made buffer takes when loading onto CUDA)."""
     from transformers import AutoConfig
 
-    from reshard.patch import _move_only_meta_to_device
+    from reshard.load.patch import _move_only_meta_to_device
 
     cls = _model_with_offmeta_bias()
     model = cls(AutoConfig.from_pretrained(tiny("qwen3_moe")))

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from reshard import materialize as mat
+from reshard.load import materialize as mat
 from reshard.errors import ReshardError
-from reshard.materialize import (
+from reshard.load.materialize import (
     MaterializeReport,
     check_buffers,
     materialize_meta_,

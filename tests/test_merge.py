@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.dcp_source import coverage_problem, read_dcp_source
+from reshard.read.dcp_source import coverage_problem, read_dcp_source
 from reshard.errors import CheckpointError, OutputError
-from reshard.merge import merge_checkpoint
-from reshard.mesh import MeshSpec
+from reshard.write.merge import merge_checkpoint
+from reshard.plan.mesh import MeshSpec
 from reshard.verification import check_folder
 
 
@@ -240,7 +240,7 @@ def test_overwrite_rules(written, tmp_path):
 
 
 def test_an_interrupted_merge_leaves_nothing(written, tmp_path, monkeypatch):
-    import reshard.merge as merge
+    import reshard.write.merge as merge
 
     _, folder = written
     calls = []

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 from reshard.verification import check_folder
 
 from conftest import rank_reports, run_ranks

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard import mesh as mesh_module
+from reshard.plan import mesh as mesh_module
 from reshard.errors import MeshError, ReshardError
-from reshard.mesh import Axis, MeshSpec
+from reshard.plan.mesh import Axis, MeshSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_shard_index_replicas_share_coordinates():
 
 
 def _docstring_table(doc: str) -> dict[str, list[int]]:
-    """The rows of the rank table in `reshard/mesh.py`'s docstring: `name: 0 1 2 ...`."""
+    """The rows of the rank table in `reshard/plan/mesh.py`'s docstring: `name: 0 1 2 ...`."""
     rows = {}
     for line in doc.splitlines():
         m = re.search(r"\b(rank|fsdp|efsdp|ep):\s+((?:\d+\s*)+)$", line)

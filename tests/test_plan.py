@@ -27,12 +27,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-from reshard.checkpoint import DTYPE_BITS, read_header
+from reshard.read.checkpoint import DTYPE_BITS, read_header
 from reshard.errors import MeshError
-from reshard.layout import ModelLayout, Piece, Role, TargetTensor
-from reshard.mesh import MeshSpec
-from reshard.plan import Kind, LayoutMode, Placement, box_is_empty, chunk, local_box, make_plan, summarize
-from reshard.write import chunk_runs
+from reshard.plan.layout import ModelLayout, Piece, Role, TargetTensor
+from reshard.plan.mesh import MeshSpec
+from reshard.plan.placement import Kind, LayoutMode, Placement, box_is_empty, chunk, local_box, make_plan, summarize
+from reshard.runs.byte_runs import chunk_runs
 
 # ---- torch as the reference ---------------------------------------------------------------------------------------
 
@@ -228,8 +228,8 @@ def test_placement_describe():
 def test_plan_module_imports_without_torch():
     """The planner is plain data: importable with torch blocked."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import reshard.plan, reshard.layout, reshard.mesh\n"
-            "print(reshard.plan.chunk(20, 8, 7))")
+            "import reshard.plan.placement, reshard.plan.layout, reshard.plan.mesh\n"
+            "print(reshard.plan.placement.chunk(20, 8, 7))")
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

@@ -7,7 +7,7 @@ For each model and layout the written folder is checked twice:
   `saved_offsets` its header's `DCP_SHARDING_INFO` gives, into a zero tensor of the global shape while a counter
   tensor records coverage (every element written exactly once), and the result is compared with `torch.equal` to
   `AutoModelForCausalLM.from_pretrained(src).state_dict()` (the reference loader, not reshard's key mapping).
-  Which coordinates hold empty markers is recomputed here from `reshard.plan.chunk` and the placement rules
+  Which coordinates hold empty markers is recomputed here from `reshard.plan.placement.chunk` and the placement rules
   (DESIGN.md sections 1-2), not from `local_box`.
 """
 
@@ -30,8 +30,8 @@ from safetensors import safe_open
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.manifest import file_chunks
-from reshard.mesh import MeshSpec
-from reshard.plan import chunk
+from reshard.plan.mesh import MeshSpec
+from reshard.plan.placement import chunk
 from reshard.verification import verify
 
 # transformers 5.23 `distributed/checkpoint.py`: the names that select the distributed-checkpoint loader
@@ -421,7 +421,7 @@ def test_verify_miscounted_empty_markers_and_a_missing_run(written):
 def test_coordinate_sizes_equal_the_chunk_lists(tiny, mesh):
     """The sizes a write balances and checks free space with, computed by tensor kind, equal each coordinate's chunks."""
     from reshard.api import plan_checkpoint
-    from reshard.write import coordinate_chunks, coordinate_sizes
+    from reshard.plan.files import coordinate_chunks, coordinate_sizes
 
     plan = plan_checkpoint(tiny("glm4_moe"), mesh)
     assert coordinate_sizes(plan) == [sum(spec.nbytes for spec, _, _ in coordinate_chunks(plan, c))

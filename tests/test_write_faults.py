@@ -24,11 +24,11 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import reshard.write as write_module
+import reshard.write.shards as write_module
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 from reshard.verification import verify
 
 from conftest import two_file_source
@@ -186,7 +186,7 @@ SLOW_WRITE = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     # a shell may start background jobs with SIGINT ignored; a terminal's Ctrl-C raises KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    import reshard.write as w
+    import reshard.write.shards as w
     first_file_written = Path({marker!r})
     stock_write_file = w._write_file
 

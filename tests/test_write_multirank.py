@@ -15,9 +15,9 @@ import pytest
 
 from conftest import rank_reports, run_ranks
 from reshard.api import write_checkpoint
-from reshard.checkpoint import DTYPE_BITS
+from reshard.read.checkpoint import DTYPE_BITS
 from reshard.manifest import file_chunks
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 
 pytestmark = pytest.mark.multirank
 

@@ -25,9 +25,9 @@ from click.testing import CliRunner
 from conftest import RANK_SCRIPTS
 from reshard.api import plan_checkpoint
 from reshard.cli import cli
-from reshard.mesh import MeshSpec
-from reshard.parallel import assign_shares, default_workers
-from reshard.plan import summarize
+from reshard.plan.mesh import MeshSpec
+from reshard.write.parallel import assign_shares, default_workers
+from reshard.plan.placement import summarize
 
 pytestmark = pytest.mark.multirank
 
@@ -282,8 +282,9 @@ def test_an_interrupted_parallel_write_stops_every_worker(worker_faults, sig):
 
 def test_torchrun_write(references, tiny, tmp_path):
     """One 4-rank torchrun job runs, as `python -m reshard` would, a write of every case (each byte-identical to
-    --workers 1), an --overwrite of an existing output, and three writes that fail on every rank together: a full disk
-    on the rank writing coordinate 1, a source file missing on rank 2's node, and an OUT that exists."""
+    --workers 1), an --overwrite of an existing output, three writes that fail on every rank together (a full disk
+    on the rank writing coordinate 1, a source file missing on rank 2's node, an OUT that exists), and a
+    dequantizing write of an FP8 source (byte-identical to one process)."""
     ranks = 4
     outs = tmp_path / "outs"
     cases = [{"argv": ["write", str(references[case_id][0]), str(outs / case_id), *args, "-q"]}
@@ -300,6 +301,13 @@ def test_torchrun_write(references, tiny, tmp_path):
     (sources / "src-2" / "model.safetensors").unlink()
     missing = outs / "missing-source"
     cases.append({"argv": ["write", str(sources / "src-{rank}"), str(missing), "--fsdp", "4", "-q"]})
+    # a quantized source: every rank computes its coordinates' bf16 chunks, byte-identical to one process
+    from reshard.api import write_checkpoint
+    from reshard.tiny import quantize_checkpoint
+
+    fp8 = quantize_checkpoint(tiny("qwen3_moe", experts=2), tmp_path / "fp8", method="fp8", block=(32, 32))
+    write_checkpoint(fp8, tmp_path / "fp8-one-process", MeshSpec(fsdp=4), dequantize="bf16", progress=False)
+    cases.append({"argv": ["write", str(fp8), str(outs / "fp8"), "--fsdp", "4", "--dequantize", "bf16", "-q"]})
     report_dir = tmp_path / "reports"
     result = torchrun(ranks, str(WRITE_CLI), str(write_cases(tmp_path / "cases.json", cases)), str(report_dir),
                       timeout=300)
@@ -312,7 +320,8 @@ def test_torchrun_write(references, tiny, tmp_path):
         assert beside(outs / case_id) == []
         assert [len(g["bars"]) for g in got] == [1, 0, 0, 0], "only rank 0 may show a progress bar"
 
-    exists, overwrite, enospc, lost = (reports(report_dir, i, ranks) for i in range(len(CASES), len(cases)))
+    exists, overwrite, enospc, lost, dequantized = (reports(report_dir, i, ranks)
+                                                    for i in range(len(CASES), len(cases)))
     assert [g["exit"] for g in exists] == [1] * ranks
     assert all("already exists" in g["stderr"] and "--overwrite" in g["stderr"] for g in exists)
     assert [g["exit"] for g in overwrite] == [0] * ranks, [g["stderr"] for g in overwrite]
@@ -329,6 +338,10 @@ def test_torchrun_write(references, tiny, tmp_path):
     for g in lost:
         assert "1 of 4 rank(s) cannot write (rank 2: " in g["stderr"] and "src-2" in g["stderr"], g["stderr"]
     assert_nothing_left(missing)
+
+    assert [g["exit"] for g in dequantized] == [0] * ranks, [g["stderr"] for g in dequantized]
+    assert_identical(outs / "fp8", tmp_path / "fp8-one-process")
+    assert "quantization_config" not in json.loads((outs / "fp8" / "config.json").read_text())
 
 
 def test_torchrun_write_with_a_killed_rank(tiny, tmp_path):

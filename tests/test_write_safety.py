@@ -31,12 +31,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import reshard.write as write_module
+import reshard.write.shards as write_module
 from reshard.api import plan_checkpoint, write_checkpoint
-from reshard.checkpoint import METADATA_PATTERNS, parse_header, read_checkpoint
+from reshard.read.checkpoint import METADATA_PATTERNS, parse_header, read_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
-from reshard.mesh import MeshSpec
+from reshard.plan.mesh import MeshSpec
 from reshard.verification import verify
 
 from conftest import two_file_source
@@ -366,9 +366,9 @@ def test_swap_interrupted_at_every_step(tiny, tmp_path, monkeypatch, mode, step,
 SWAP_KILLER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import reshard.write as w
+    import reshard.write.shards as w
     from reshard.api import write_checkpoint
-    from reshard.mesh import MeshSpec
+    from reshard.plan.mesh import MeshSpec
 
     if {mode!r} == "renames":
         w._exchange = lambda a, b: False
@@ -430,7 +430,7 @@ BLOCKED_WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    import reshard.write as w
+    import reshard.write.shards as w
 
     ready, release = Path({ready!r}), Path({release!r})
 

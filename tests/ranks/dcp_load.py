@@ -90,7 +90,7 @@ def main():
         from transformers import AutoModelForCausalLM
 
         import reshard
-        import reshard.storage as storage
+        import reshard.load.storage as storage
 
         reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
         mesh_dense = init_device_mesh("cpu", (fsdp,), mesh_dim_names=("fsdp",))

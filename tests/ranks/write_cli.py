@@ -12,7 +12,7 @@ Faults hit the process writing coordinate C, when it starts that coordinate's fi
   kill:C[:MARKER]      SIGKILL itself (after writing the time to MARKER)
   sleep:C:MARKER       write the file, create MARKER, then sleep 120 s (the test stops the write meanwhile)
 
-RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.parallel.STALE_S).
+RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.parallel.STALE_S).
 
 The patch is made at import, outside the main guard: `--workers` processes are spawned and import this script as
 `__mp_main__`, so they get it too (the fault is passed to them in RESHARD_TEST_FAULT).
@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-import reshard.parallel
-import reshard.write
+import reshard.write.parallel
+import reshard.write.shards
 
-_stock_write_file = reshard.write._write_file
-_stock_progress_bar = reshard.parallel._progress_bar
+_stock_write_file = reshard.write.shards._write_file
+_stock_progress_bar = reshard.write.parallel._progress_bar
 bars = []
 
 
@@ -62,10 +62,10 @@ def _counted_progress_bar(total, progress):
     return _stock_progress_bar(total, progress)
 
 
-reshard.write._write_file = _faulty_write_file
-reshard.parallel._progress_bar = _counted_progress_bar
+reshard.write.shards._write_file = _faulty_write_file
+reshard.write.parallel._progress_bar = _counted_progress_bar
 if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than in production
-    reshard.parallel.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
+    reshard.write.parallel.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
 
 
 def main():

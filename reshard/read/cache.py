@@ -18,14 +18,14 @@ import json
 import os
 from pathlib import Path
 
-from . import __version__
+from .. import __version__
 from .checkpoint import CheckpointIndex
-from .layout import ModelLayout, layout_from_dict, layout_to_dict
+from ..plan.layout import ModelLayout, layout_from_dict, layout_to_dict
 
 
 # The modules whose code decides what a cached layout holds (reading the index, finding experts, the layout and its
 # JSON form, planning on it) and this one, which decides the key.
-LAYOUT_CODE_MODULES = ("checkpoint", "experts", "layout", "plan", "cache")
+LAYOUT_CODE_MODULES = ("read.checkpoint", "read.quant", "read.experts", "plan.layout", "plan.placement", "read.cache")
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,7 +35,7 @@ def code_digest() -> str | None:
     digest = hashlib.sha256()
     try:
         for name in LAYOUT_CODE_MODULES:
-            spec = importlib.util.find_spec(f"{__package__}.{name}")
+            spec = importlib.util.find_spec(f"reshard.{name}")
             digest.update(spec.loader.get_data(spec.origin))
     except (OSError, AttributeError, ImportError):
         return None

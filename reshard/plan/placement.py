@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from .checkpoint import DTYPE_BITS
-from .errors import MeshError
+from ..read.checkpoint import DTYPE_BITS
+from ..errors import MeshError
 from .layout import ModelLayout, Role, TargetTensor
 from .mesh import MeshSpec
 
@@ -141,7 +141,7 @@ class ReshardPlan:
         layout: the model's tensors and their on-disk pieces.
         mode: stock or balanced.
         tensors: one `TensorPlan` per state-dict tensor, in model order.
-        quantization: the source's `reshard.quant.Quantization` when the layout is its bf16 view, else None.
+        quantization: the source's `reshard.read.quant.Quantization` when the layout is its bf16 view, else None.
     """
 
     mesh: MeshSpec

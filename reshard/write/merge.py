@@ -1,7 +1,7 @@
 """Merge a distributed checkpoint into a standard Hugging Face checkpoint, by copying byte runs.
 
 The input is a reshard folder or a folder saved by `save_pretrained(..., distributed_checkpoint=True)`
-(`reshard.dcp_source`); the output is what the Hub, vLLM, SGLang and `from_pretrained` expect:
+(`reshard.read.dcp_source`); the output is what the Hub, vLLM, SGLang and `from_pretrained` expect:
 `model-0000N-of-0000M.safetensors` files of at most `max_shard_size`, `model.safetensors.index.json` with
 `metadata.total_size`, and the config and tokenizer files. Every output tensor is a box of an in-memory tensor (a
 per-expert key `experts.3.gate_proj.weight` [I, H] is `gate_up_proj[3, 0:I, :]`, the expert dim dropped: the same
@@ -21,13 +21,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .checkpoint import INDEX_NAME
-from .dcp_source import DcpIndex, read_dcp_source
-from .errors import CheckpointError, OutputError
-from .layout import ModelLayout, TargetTensor
-from .manifest import MANIFEST_NAME
-from .plan import Box
+from .. import __version__
+from ..read.checkpoint import INDEX_NAME
+from ..read.dcp_source import DcpIndex, read_dcp_source
+from ..errors import CheckpointError, OutputError
+from ..plan.layout import ModelLayout, TargetTensor
+from ..manifest import MANIFEST_NAME
+from ..plan.placement import Box
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
 LAYOUTS = ("original", "fused")
@@ -57,7 +57,7 @@ class OutputTensor:
 
     @property
     def nbytes(self) -> int:
-        from .checkpoint import DTYPE_BITS
+        from ..read.checkpoint import DTYPE_BITS
 
         return math.prod(self.shape) * DTYPE_BITS[self.dtype] // 8
 
@@ -124,7 +124,7 @@ def split_files(tensors: list[OutputTensor], max_bytes: int | None) -> list[list
 
 def _not_replaceable(out: Path) -> str | None:
     """Why `out` may not be replaced by a merge, or None: empty, a complete merge output, or a reshard output."""
-    from .write import _not_replaceable as reshard_output
+    from .shards import _not_replaceable as reshard_output
 
     if not out.is_dir():
         return "it is not a folder"
@@ -148,13 +148,15 @@ def _not_replaceable(out: Path) -> str | None:
 
 
 def _check_replaceable(out: Path, overwrite: bool) -> None:
-    from .write import _check_replaceable as check
+    from .shards import _check_replaceable as check
 
     check(out, overwrite, why_not=_not_replaceable, replaceable="a complete merge or reshard output")
 
 
 def _write_merged_file(path: Path, tensors: list[OutputTensor], copier) -> int:
-    from .write import ChunkSpec, Run, chunk_runs, safetensors_header
+    from ..plan.files import ChunkSpec
+    from ..runs.byte_runs import Run, chunk_runs
+    from .shards import safetensors_header
 
     specs = [ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)]
     header = safetensors_header(specs, {"format": "pt"})
@@ -198,9 +200,18 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_S
     Example:
         >>> merge_checkpoint("ckpt-step1000", "published")  # doctest: +SKIP
     """
-    from .write import (
-        TMP_MARK, _Copier, _clean_stale_temporaries, _fsync_dir, _fsync_files, _progress_bar, _refuse_source_overlap,
-        _replace, _write_lock, discarded_on_failure, sigterm_as_interrupt,
+    from .shards import (
+        TMP_MARK,
+        _Copier,
+        _clean_stale_temporaries,
+        _fsync_dir,
+        _fsync_files,
+        _progress_bar,
+        _refuse_source_overlap,
+        _replace,
+        _write_lock,
+        discarded_on_failure,
+        sigterm_as_interrupt,
     )
 
     index, model_layout = read_dcp_source(source)

@@ -24,7 +24,7 @@ import os
 import threading
 from contextlib import contextmanager
 
-from .errors import ReshardError
+from ..errors import ReshardError
 
 SUPPORTED_TRANSFORMERS = "5.23."
 
@@ -271,7 +271,7 @@ def _wrap_load_distributed(original):
     def _load_model_checkpoint_distributed(model, checkpoint_dir, strict=True):
         from pathlib import Path
 
-        from .manifest import MANIFEST_NAME, Manifest
+        from ..manifest import MANIFEST_NAME, Manifest
         from .storage import load_model_state
 
         manifest = _active_manifest.get()
@@ -308,7 +308,7 @@ def _wrap_from_pretrained(original):
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
         from pathlib import Path
 
-        from .manifest import MANIFEST_NAME
+        from ..manifest import MANIFEST_NAME
 
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
         manifest = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
@@ -349,7 +349,7 @@ def _multi_rank() -> bool:
 def _is_candidate(folder) -> bool:
     """A local folder that is, or may be on other ranks, a reshard folder: all ranks must then agree on it."""
     from .loader import has_shard_files
-    from .manifest import MANIFEST_NAME
+    from ..manifest import MANIFEST_NAME
 
     return (folder / MANIFEST_NAME).is_file() or has_shard_files(folder)
 

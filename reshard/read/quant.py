@@ -1,6 +1,6 @@
 """Recognise quantized checkpoints from metadata and describe them as the bf16 checkpoint they stand for.
 
-Pure: config and headers in, plain data out (the arithmetic is in `reshard.dequant`). Two formats:
+Pure: config and headers in, plain data out (the arithmetic is in `reshard.runs.dequant`). Two formats:
 
 - FP8 block-scaled (`quant_method: fp8` with `weight_block_size: [bm, bn]`; DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8,
   GLM-FP8, MiniMax-M2): a weight `W` in F8_E4M3 (or F8_E5M2) of shape `[..., rows, cols]` beside `W_scale_inv`
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .checkpoint import CheckpointIndex, TensorEntry
-from .errors import QuantizationError
+from ..errors import QuantizationError
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FP8_SCALE_DTYPES = ("F32", "BF16", "F16")

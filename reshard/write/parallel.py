@@ -1,7 +1,7 @@
 """Parallel and distributed `reshard write`: several writers, one temporary folder, one manifest, one rename.
 
-Every writer runs `reshard.write.write_coordinates` on its share of the fsdp coordinates' files; what differs is who
-the writers are and how their file entries come back:
+Every writer runs `reshard.write.shards.write_coordinates` on its share of the fsdp coordinates' files; what differs
+is who the writers are and how their file entries come back:
 
 - `write_with_workers` (`reshard write --workers N`): worker processes on this machine. They are spawned (not
   forked: the parent may hold threads, e.g. torch's, and a forked copy of a lock held by one of them never frees),
@@ -38,9 +38,19 @@ import time
 import traceback
 from pathlib import Path
 
-from .errors import OutputError, ReshardError
-from .write import (_check_output, _claim_output, _discard, _finish, _output_error, _progress_bar,
-                    sigterm_as_interrupt, _signals_held, _write_lock, write_coordinates)
+from ..errors import OutputError, ReshardError
+from .shards import (
+    _check_output,
+    _claim_output,
+    _discard,
+    _finish,
+    _output_error,
+    _progress_bar,
+    sigterm_as_interrupt,
+    _signals_held,
+    _write_lock,
+    write_coordinates,
+)
 
 WORKER_MIN_BYTES = 1 << 30  # a worker costs ~0.2 s to start: worth it only with at least this much to write
 MAX_DEFAULT_WORKERS = 4  # beyond ~4 streams a single disk stops gaining; pass --workers for a parallel file system
@@ -415,7 +425,7 @@ def _gloo_group():
     A group created here is kept, as reshard's loader does, so a second write in the same job reuses it."""
     import torch.distributed as dist
 
-    from .loader import launcher_world_size
+    from ..load.loader import launcher_world_size
 
     if dist.is_initialized():
         return (None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")), False
@@ -445,7 +455,7 @@ def _identity(plan, index, out: Path, max_shard_size, overwrite) -> dict:
 
 def _agreed_failure(views: list, what: str) -> _Agreed | None:
     """The error every rank raises when any rank's view holds a failure (`None` entries and `_Stopped` are fine)."""
-    from .local_read import describe_failures, failing_ranks
+    from ..load.local_read import describe_failures, failing_ranks
 
     failed = failing_ranks(views)
     if not failed:
@@ -461,7 +471,8 @@ def write_distributed(read_plan, out: str | os.PathLike, *, overwrite: bool = Fa
         read_plan: reads SRC on this rank's node and plans it: `() -> (plan, index)`; its errors are agreed like any
             other rank failure.
         out: the output folder, on a file system every rank sees at the same path.
-        overwrite, max_shard_size, progress: as for `reshard.write.write_shards` (the bar is shown on rank 0 only).
+        overwrite, max_shard_size, progress: as for `reshard.write.shards.write_shards` (the bar is shown on rank 0
+            only).
 
     Returns:
         The manifest document on rank 0, None on the other ranks.

@@ -18,8 +18,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 from .checkpoint import CheckpointIndex
-from .errors import ArchitectureError, CheckpointError
-from .layout import ModelLayout, Piece, Role, TargetTensor
+from ..errors import ArchitectureError, CheckpointError
+from ..plan.layout import ModelLayout, Piece, Role, TargetTensor
 
 _ROUTER = re.compile(r"(^|\.)(gate|router|moe_statics)(\.|$)|e_score_correction_bias|expert_bias")
 _SHARED = re.compile(r"shared_expert|shared_mlp")
@@ -93,7 +93,7 @@ def expert_param_names(model) -> tuple[set[str], bool]:
 def find_experts(index: CheckpointIndex) -> ModelLayout:
     """Map every on-disk tensor of `index` to the model's state dict, marking the routed experts.
 
-    The result is cached by config, tensor names/dtypes/shapes and versions (`reshard.cache`).
+    The result is cached by config, tensor names/dtypes/shapes and versions (`reshard.read.cache`).
 
     Args:
         index: the checkpoint's metadata (`read_checkpoint`).
@@ -110,7 +110,7 @@ def find_experts(index: CheckpointIndex) -> ModelLayout:
                                 "know the architecture.")
     if index.config.get("quantization_config"):  # callers plan the bf16 view (`reshard.api.read_source`)
         raise ArchitectureError(f"{index.source}: a quantized checkpoint is mapped through its bf16 view; read it with "
-                                "reshard.api.read_source (or reshard.quant.dequantized_view).")
+                                "reshard.api.read_source (or reshard.read.quant.dequantized_view).")
     from .cache import load_layout, save_layout
 
     cached = load_layout(index)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .layout import Role
-from .plan import FamilySummary, Kind, ReshardPlan, summarize
+from .placement import FamilySummary, Kind, ReshardPlan, summarize
 
 PLAN_JSON_VERSION = 1
 
@@ -55,7 +55,7 @@ def plan_to_dict(plan: ReshardPlan, source: str) -> dict:
 
 def quantization_summary(plan: ReshardPlan) -> dict:
     """What a quantized source holds and what `write --dequantize bf16` makes of it."""
-    from .plan import family_of
+    from .placement import family_of
 
     q = plan.quantization
     computed = [tp.tensor for tp in plan.tensors if any(p.source in q.tensors for p in tp.tensor.pieces)]
@@ -75,7 +75,7 @@ def quantization_summary(plan: ReshardPlan) -> dict:
 
 
 def _bytes(tensor) -> int:
-    from .checkpoint import DTYPE_BITS
+    from ..read.checkpoint import DTYPE_BITS
 
     return tensor.numel * DTYPE_BITS[tensor.dtype] // 8
 

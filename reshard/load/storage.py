@@ -33,10 +33,10 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 
-from .checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header
-from .errors import LoadError, ReshardError, VerifyError
+from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header
+from ..errors import LoadError, ReshardError, VerifyError
 from .local_read import _BackgroundCrc, _fill, _read_tensor, _Staging, torch_dtype
-from .manifest import Manifest, header_problems, placement_of, read_manifest
+from ..manifest import Manifest, header_problems, placement_of, read_manifest
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader  # `import reshard` imports this module lazily
@@ -63,7 +63,7 @@ class _KindChunks:
     def __init__(self, shape: tuple[int, ...], placement, mesh):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        from .plan import local_box
+        from ..plan.placement import local_box
 
         self.holders: dict[tuple[int, ...], list[int]] = {}  # offsets -> coordinates holding that chunk
         self.sizes: dict[tuple[int, ...], tuple[int, ...]] = {}

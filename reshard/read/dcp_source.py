@@ -11,14 +11,15 @@ tensor under its in-memory name at its `saved_offsets`):
 `read_dcp_source` turns either into the two things the byte-run machinery needs: a `CheckpointIndex` whose tensors
 are the input chunks (one `TensorEntry` each, under a unique synthetic key), and a `ModelLayout` whose tensors are
 the in-memory tensors, each with one `Piece` per non-empty chunk at its global offset. `write_shards` then writes
-any mesh from it, and `reshard.merge` any HF layout, both by copying byte runs. Coverage is checked first, exactly:
-a tensor whose chunks overlap, leave a gap, or disagree on dtype is an error naming the region, never zeros.
+any mesh from it, and `reshard.write.merge` any HF layout, both by copying byte runs. Coverage is checked first,
+exactly: a tensor whose chunks overlap, leave a gap, or disagree on dtype is an error naming the region, never
+zeros.
 
 The on-disk layout of the checkpoint a folder came from (which on-disk keys, at which offsets, make each in-memory
 tensor) is what `reshard merge --layout original` writes back: a reshard folder records it in its manifest
-(`source_layout`; folders written before it was recorded can be merged with `--layout fused` only); for a saved folder it is what transformers'
-`save_pretrained` would write for that model type (its reverse conversion), mapped to offsets with the same forward
-machinery `write` uses.
+(`source_layout`; folders written before it was recorded can be merged with `--layout fused` only); for a saved
+folder it is what transformers' `save_pretrained` would write for that model type (its reverse conversion), mapped
+to offsets with the same forward machinery `write` uses.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import DTYPE_BITS, CheckpointIndex, FileHeader, TensorEntry, is_metadata_file, read_header
-from .errors import CheckpointError
-from .layout import ModelLayout, Piece, Role, TargetTensor
-from .manifest import DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, header_problems, read_manifest
+from ..errors import CheckpointError
+from ..plan.layout import ModelLayout, Piece, Role, TargetTensor
+from ..manifest import DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, header_problems, read_manifest
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 SOURCE_LAYOUT_VERSION = 1
@@ -93,11 +94,11 @@ def read_dcp_source(source) -> tuple[DcpIndex, ModelLayout]:
         return _read_reshard_folder(path)
     if kind == SAVED:
         return _read_saved_folder(path)
-    what = "no such folder" if not path.is_dir() else "no reshard.json and no shard-RRRRR-model-PPPPP-of-NNNNN.safetensors"
+    what = ("no such folder" if not path.is_dir()
+            else "no reshard.json and no shard-RRRRR-model-PPPPP-of-NNNNN.safetensors")
     raise CheckpointError(f"{path}: {what}. This is neither a reshard folder (`reshard write`) nor a folder saved by "
-                          "transformers' save_pretrained(..., distributed_checkpoint=True); pass one of those. Nothing was "
-                          "written.",
-                          path=str(path))
+                          "transformers' save_pretrained(..., distributed_checkpoint=True); pass one of those. Nothing "
+                          "was written.", path=str(path))
 
 
 def _other_files(path: Path, weights: set[str]) -> tuple[str, ...]:
@@ -222,7 +223,7 @@ def _saved_offsets(header: FileHeader, path: Path) -> dict[str, tuple[int, ...]]
 
 
 def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
-    from .errors import ArchitectureError
+    from ..errors import ArchitectureError
     from .experts import _role, build_meta_model, expert_param_names
 
     names = _saved_files(path)

@@ -20,9 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import FileHeader, TensorEntry, read_header
-from .errors import LoadError, ReshardError
-from .manifest import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY, Manifest, file_crc32
+from ..read.checkpoint import FileHeader, TensorEntry, read_header
+from ..errors import LoadError, ReshardError
+from ..manifest import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY, Manifest, file_crc32
 
 _CRC_BLOCK = 1 << 20
 

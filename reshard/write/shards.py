@@ -1,8 +1,8 @@
 """Stream a checkpoint into per-coordinate shard files, atomically, copying bytes exactly.
 
-No tensor is ever materialized: each output chunk is a list of byte runs copied from the source files (a run is
-a stretch that is contiguous both in the source tensor and in the output chunk), so gate and up rows are fused
-into `gate_up_proj`, and a chunk split on dim 1 is gathered, by copying bytes. Peak memory is one copy buffer.
+Which chunks each file holds comes from the plan (`reshard.plan.files`); each chunk is a list of byte runs copied
+from the source files (`reshard.runs.byte_runs`), so no tensor is ever materialized and peak memory is one copy
+buffer, or, for a dequantized tensor, two bounded slabs computed from the source (`reshard.runs.dequant`).
 Files are written into a temporary folder beside OUT, fsynced, the manifest written last, and the folder renamed
 into place; any failure or interruption removes the temporary folder. One write at a time holds a lock beside OUT;
 an existing OUT is replaced only when it is empty or a reshard output, by an atomic exchange, so OUT is the whole
@@ -16,9 +16,7 @@ import errno
 import fcntl
 import functools
 import glob
-import itertools
 import json
-import math
 import os
 import shutil
 import signal
@@ -29,141 +27,20 @@ import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
-from . import __version__
-from .checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry, is_metadata_file
-from .errors import OutputError
-from .layout import TargetTensor
-from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest, shard_file_name
-from .plan import Box, ReshardPlan, box_is_empty, local_box
+from .. import __version__
+from ..errors import OutputError
+from ..manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest, shard_file_name
+from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_sizes, split_parts
+from ..plan.layout import TargetTensor
+from ..plan.placement import ReshardPlan
+from ..read.checkpoint import CheckpointIndex, is_metadata_file
+from ..runs.byte_runs import Run, chunk_runs
 
 COPY_BUFFER_BYTES = 1 << 20  # 1 MiB: measured as fast as `cp` in the fallback loop; 16 MiB was 2.5x slower
 TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
 LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
-
-
-@dataclass(frozen=True)
-class Run:
-    """A byte range copied from a source file into an output chunk."""
-
-    file: str
-    src: int  # absolute offset in the source file
-    dst: int  # offset inside the output chunk
-    nbytes: int
-
-
-def _strides(shape) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return strides[::-1]
-
-
-def chunk_runs(tensor: TargetTensor, box: Box, entries: dict[str, TensorEntry]) -> list[Run]:
-    """The byte runs that build `tensor`'s chunk `box` from its on-disk pieces, in output order.
-
-    Args:
-        tensor: the in-memory tensor and its pieces.
-        box: the chunk, `(offset, length)` per dim in global coordinates.
-        entries: the source tensors by on-disk key.
-
-    Returns:
-        Runs sorted by output offset that tile the chunk's bytes exactly once.
-    """
-    if box_is_empty(box):
-        return []
-    itemsize = DTYPE_BITS[tensor.dtype] // 8
-    out_lengths = [length for _, length in box]
-    out_strides = _strides(out_lengths)
-    runs = []
-    for piece in tensor.pieces:
-        entry = entries[piece.source]
-        extent = tensor.piece_shape(piece, entry.shape)
-        lo = [max(b, o) for (b, _), o in zip(box, piece.offset)]
-        hi = [min(b + n, o + e) for (b, n), o, e in zip(box, piece.offset, extent)]
-        if any(h <= l for l, h in zip(lo, hi)):
-            continue
-        lengths = [h - l for l, h in zip(lo, hi)]
-        # the run covers dims k.. : every dim after k must be whole in the piece and in the chunk
-        k = len(lengths) - 1
-        while k > 0 and lengths[k] == extent[k] == out_lengths[k]:
-            k -= 1
-        run_elems = math.prod(lengths[k:])
-        src_strides = _strides(extent)
-        for prefix in itertools.product(*(range(n) for n in lengths[:k])):
-            idx = list(prefix) + [0] * (len(lengths) - k)
-            src_elem = sum((lo[j] + idx[j] - piece.offset[j]) * src_strides[j] for j in range(len(idx)))
-            dst_elem = sum((lo[j] + idx[j] - box[j][0]) * out_strides[j] for j in range(len(idx)))
-            runs.append(Run(entry.file, entry.data_start + src_elem * itemsize, dst_elem * itemsize,
-                            run_elems * itemsize))
-    runs.sort(key=lambda r: r.dst)
-    expected = math.prod(out_lengths) * itemsize
-    if sum(r.nbytes for r in runs) != expected:
-        raise AssertionError(f"{tensor.name}: runs cover {sum(r.nbytes for r in runs)} of {expected} bytes")
-    return runs
-
-
-class ChunkSpec(NamedTuple):
-    """One tensor's chunk in one output file (a named tuple: a coordinate's list has one per tensor, built often)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]  # the local shape (zeros for an empty marker)
-    offsets: tuple[int, ...]  # global offsets, torch's convention for empty chunks
-    nbytes: int
-    index: int  # the tensor's position in the plan (the manifest's `order`)
-
-
-def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, TargetTensor, Box]]:
-    """What fsdp coordinate `coord` stores: a chunk or an empty marker of every sharded tensor, and a whole copy of
-    every replicated tensor (a persistent buffer), so each coordinate's files hold everything its ranks load.
-
-    O(tensors) for one coordinate; a tensor's chunk depends only on its kind, (shape, placement, dtype), of which a
-    model has a few dozen, so each kind's chunk is computed once per coordinate.
-    """
-    kinds, tensors = _kinds_of(plan)
-    per_kind = []  # (box, local shape, offsets, bytes) of each kind on this coordinate
-    for shape, placement, dtype in kinds:
-        box = local_box(shape, placement, plan.mesh, coord)
-        local = tuple(length for _, length in box)
-        per_kind.append((box, local, tuple(o for o, _ in box), math.prod(local) * DTYPE_BITS[dtype] // 8))
-    out = []
-    for index, (tensor, kind) in enumerate(tensors):
-        box, local, offsets, nbytes = per_kind[kind]
-        out.append((ChunkSpec(tensor.name, tensor.dtype, local, offsets, nbytes, index), tensor, box))
-    return out
-
-
-_last_kinds: list = [None, None]  # [plan, its kinds]: the writers ask for one plan's coordinates in turn
-
-
-def _kinds_of(plan: ReshardPlan) -> tuple[list[tuple], list[tuple[TargetTensor, int]]]:
-    """The plan's distinct (shape, placement, dtype) kinds, and each tensor (in plan order) with its kind's index."""
-    if _last_kinds[0] is not plan:
-        kinds: dict[tuple, int] = {}
-        tensors = [(tp.tensor, kinds.setdefault((tp.tensor.shape, tp.planned, tp.tensor.dtype), len(kinds)))
-                   for tp in plan.tensors]
-        _last_kinds[:] = [plan, (list(kinds), tensors)]
-    return _last_kinds[1]
-
-
-def split_parts(chunks: list, max_bytes: int | None) -> list[list]:
-    """Greedy split of one coordinate's chunks into files of at most `max_bytes` (a larger chunk gets its own)."""
-    if not max_bytes:
-        return [chunks]
-    parts, current, size = [], [], 0
-    for item in chunks:
-        if current and size + item[0].nbytes > max_bytes:
-            parts.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += item[0].nbytes
-    parts.append(current)
-    return parts
 
 
 def safetensors_header(chunks: list[ChunkSpec], metadata: dict[str, str]) -> bytes:
@@ -191,7 +68,7 @@ class _Copier:
         self.progress = progress
         self.dequantizer = None
         if index.quantization is not None:
-            from .dequant import Dequantizer
+            from ..runs.dequant import Dequantizer
 
             self.dequantizer = Dequantizer(index)
         self.buffer = bytearray(COPY_BUFFER_BYTES)
@@ -606,7 +483,7 @@ def _finish(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, out: Path, fil
         shutil.copy2(index.root / name, tmp / name)
     if index.quantization is not None and "config.json" in copied:
         # the bf16 model's config: transformers must not build the quantized model for these files
-        from .quant import dequantized_config
+        from ..read.quant import dequantized_config
 
         (tmp / "config.json").write_text(json.dumps(dequantized_config(json.loads((index.root / "config.json")
                                                                                     .read_text())), indent=2) + "\n")
@@ -641,8 +518,8 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
         out: the output folder; must not exist unless `overwrite`, and then be empty or a reshard output.
         max_shard_size: split each coordinate's data into files of at most this many bytes.
         progress: show a byte progress bar (None: only on a terminal; False: never).
-        workers: processes writing shares of the coordinates' files in parallel (`reshard.parallel`); 1 writes in
-            this process; None picks `reshard.parallel.default_workers`. With more than 1, a script calling this
+        workers: processes writing shares of the coordinates' files in parallel (`reshard.write.parallel`); 1 writes in
+            this process; None picks `reshard.write.parallel.default_workers`. With more than 1, a script calling this
             needs the `if __name__ == "__main__":` guard (workers are spawned). The output is the same either way.
 
     Returns:
@@ -803,18 +680,6 @@ def _placement_dict(p) -> dict:
             "placements": p.describe()}
 
 
-def coordinate_sizes(plan: ReshardPlan) -> list[int]:
-    """Bytes of shard data each coordinate's files hold, in O(tensors + kinds x coordinates): a tensor's chunk size
-    depends only on its kind (see `coordinate_chunks`), so no coordinate's chunk list is built."""
-    kinds, tensors = _kinds_of(plan)
-    members = [0] * len(kinds)
-    for _, kind in tensors:
-        members[kind] += 1
-    return [sum(count * math.prod(n for _, n in local_box(shape, placement, plan.mesh, coord)) * DTYPE_BITS[dtype] // 8
-                for (shape, placement, dtype), count in zip(kinds, members))
-            for coord in range(plan.mesh.num_shard_groups)]
-
-
 def _dequantized_from(tensor: TargetTensor, index: CheckpointIndex) -> dict:
     """`{"dequantized_from": ...}` for a tensor computed from quantized pieces (their format and keys), else {}."""
     quantized = index.quantization.tensors if index.quantization is not None else {}
@@ -862,12 +727,12 @@ def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> d
         ],
         "files": [entry for c in by_coord for entry in by_coord[c]],
         "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
-        # the source's on-disk keys per tensor, for `reshard merge --layout original` (reshard.dcp_source)
+        # the source's on-disk keys per tensor, for `reshard merge --layout original` (reshard.read.dcp_source)
         "source_layout": _source_layout(plan, index),
     }
 
 
 def _source_layout(plan: ReshardPlan, index: CheckpointIndex) -> dict | None:
-    from .dcp_source import source_layout_record
+    from ..read.dcp_source import source_layout_record
 
     return source_layout_record(plan.layout, index)

@@ -186,7 +186,7 @@ def materialize_meta_(
 
     ```python
     >>> import torch
-    >>> from reshard.materialize import materialize_meta_
+    >>> from reshard.load.materialize import materialize_meta_
     >>> with torch.device("meta"):
     ...     gate = torch.nn.Linear(8, 4, bias=False)
     ...     gate.register_buffer("expert_bias", torch.zeros(4, device="cpu"))
@@ -243,7 +243,7 @@ def _meta_only_to_empty(self: nn.Module, *, device: torch.device | str | int | N
     """Meta-only `nn.Module.to_empty`, installed by reshard: only meta tensors are reallocated on `device`.
 
     Tensors that already have storage keep their values: left as they are on `device`, copied there from another
-    device; see `reshard.materialize.materialize_meta_`.
+    device; see `reshard.load.materialize.materialize_meta_`.
     """
     if device is None:
         # Stock to_empty(device=None) reallocates each tensor on its own device: meta stays meta, so with real
@@ -293,7 +293,7 @@ def meta_only_to_empty() -> Iterator[None]:
 
     ```python
     >>> import torch
-    >>> from reshard.materialize import meta_only_to_empty
+    >>> from reshard.load.materialize import meta_only_to_empty
     >>> with torch.device("meta"):
     ...     gate = torch.nn.Linear(8, 4, bias=False)
     ...     gate.register_buffer("expert_bias", torch.zeros(4, device="cpu"))
@@ -329,7 +329,7 @@ def patch_to_empty() -> None:
     Example:
 
     ```python
-    >>> from reshard.materialize import patch_to_empty, unpatch_to_empty
+    >>> from reshard.load.materialize import patch_to_empty, unpatch_to_empty
     >>> patch_to_empty()
     >>> # ... build and shard the model: every to_empty() now keeps real tensors ...
     >>> unpatch_to_empty()
@@ -439,7 +439,7 @@ def check_buffers(module: nn.Module, *, warn: bool = True) -> list[str]:
 
     ```python
     >>> import torch
-    >>> from reshard.materialize import check_buffers
+    >>> from reshard.load.materialize import check_buffers
     >>> gate = torch.nn.Linear(8, 4, bias=False)
     >>> gate.register_buffer("expert_bias", torch.full((4,), float("nan")))
     >>> check_buffers(gate, warn=False)

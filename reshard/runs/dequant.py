@@ -19,11 +19,11 @@ from typing import Iterator
 
 import numpy as np
 
-from .checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry
-from .errors import OutputError, QuantizationError
-from .layout import TargetTensor
-from .plan import Box, box_is_empty
-from .quant import MXFP4_BLOCK, QuantizedTensor
+from ..read.checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry
+from ..errors import OutputError, QuantizationError
+from ..plan.layout import TargetTensor
+from ..plan.placement import Box, box_is_empty
+from ..read.quant import MXFP4_BLOCK, QuantizedTensor
 
 SLAB_BYTES = 32 << 20  # output bytes computed at once; the source rows and lookup indices add about 3x that
 TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "U8": "uint8",
@@ -39,7 +39,8 @@ def torch_dtype(dtype: str):
 
     found = getattr(torch, TORCH_DTYPES.get(dtype, ""), None)
     if found is None:
-        raise QuantizationError(f"{dtype}: this torch ({torch.__version__}) has no {TORCH_DTYPES.get(dtype, dtype)} dtype, "
+        name = TORCH_DTYPES.get(dtype, dtype)
+        raise QuantizationError(f"{dtype}: this torch ({torch.__version__}) has no {name} dtype, "
                                 "which reshard needs to decode these weights. Install a torch that has it "
                                 "(float8 dtypes arrived in torch 2.1).")
     return found

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -96,7 +96,7 @@ class CheckpointIndex:
         tensors: every tensor by on-disk key.
         other_files: top-level non-weight files to copy as they are (config, tokenizer, ...; see
             `METADATA_PATTERNS`), relative to root.
-        quantization: set on the bf16 view of a quantized checkpoint (`reshard.quant.dequantized_view`): which of
+        quantization: set on the bf16 view of a quantized checkpoint (`reshard.read.quant.dequantized_view`): which of
             `tensors` are computed from quantized pairs. None for a checkpoint read as it is.
     """
 
@@ -107,7 +107,7 @@ class CheckpointIndex:
     files: tuple[FileHeader, ...]
     tensors: dict[str, TensorEntry] = field(repr=False)
     other_files: tuple[str, ...] = ()
-    quantization: object = None  # reshard.quant.Quantization (kept untyped: quant imports this module)
+    quantization: object = None  # reshard.read.quant.Quantization (kept untyped: quant imports this module)
 
     @property
     def total_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """The model's tensors in plain data: in-memory names, shapes, roles, and the on-disk pieces each is built from.
 
-This is the torch-free vocabulary shared by the planner, the writer and the verifier. `reshard.experts` fills it
+This is the torch-free vocabulary shared by the planner, the writer and the verifier. `reshard.read.experts` fills it
 from transformers at the edge; tests can build it by hand.
 """
 

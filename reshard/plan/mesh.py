@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .errors import MeshError
+from ..errors import MeshError
 
 
 class Axis(str, Enum):

@@ -1,0 +1,85 @@
+"""Which chunk of which tensor each output file holds: per fsdp coordinate, by tensor kind, split into parts.
+
+Pure planning (no I/O): a coordinate's chunk list is derived from the plan's placements, one coordinate at a time,
+so the writers' cost stays linear in tensors plus coordinates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from ..read.checkpoint import DTYPE_BITS
+from .layout import TargetTensor
+from .placement import Box, ReshardPlan, local_box
+
+
+class ChunkSpec(NamedTuple):
+    """One tensor's chunk in one output file (a named tuple: a coordinate's list has one per tensor, built often)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # the local shape (zeros for an empty marker)
+    offsets: tuple[int, ...]  # global offsets, torch's convention for empty chunks
+    nbytes: int
+    index: int  # the tensor's position in the plan (the manifest's `order`)
+
+
+def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, TargetTensor, Box]]:
+    """What fsdp coordinate `coord` stores: a chunk or an empty marker of every sharded tensor, and a whole copy of
+    every replicated tensor (a persistent buffer), so each coordinate's files hold everything its ranks load.
+
+    O(tensors) for one coordinate; a tensor's chunk depends only on its kind, (shape, placement, dtype), of which a
+    model has a few dozen, so each kind's chunk is computed once per coordinate.
+    """
+    kinds, tensors = _kinds_of(plan)
+    per_kind = []  # (box, local shape, offsets, bytes) of each kind on this coordinate
+    for shape, placement, dtype in kinds:
+        box = local_box(shape, placement, plan.mesh, coord)
+        local = tuple(length for _, length in box)
+        per_kind.append((box, local, tuple(o for o, _ in box), math.prod(local) * DTYPE_BITS[dtype] // 8))
+    out = []
+    for index, (tensor, kind) in enumerate(tensors):
+        box, local, offsets, nbytes = per_kind[kind]
+        out.append((ChunkSpec(tensor.name, tensor.dtype, local, offsets, nbytes, index), tensor, box))
+    return out
+
+
+_last_kinds: list = [None, None]  # [plan, its kinds]: the writers ask for one plan's coordinates in turn
+
+
+def _kinds_of(plan: ReshardPlan) -> tuple[list[tuple], list[tuple[TargetTensor, int]]]:
+    """The plan's distinct (shape, placement, dtype) kinds, and each tensor (in plan order) with its kind's index."""
+    if _last_kinds[0] is not plan:
+        kinds: dict[tuple, int] = {}
+        tensors = [(tp.tensor, kinds.setdefault((tp.tensor.shape, tp.planned, tp.tensor.dtype), len(kinds)))
+                   for tp in plan.tensors]
+        _last_kinds[:] = [plan, (list(kinds), tensors)]
+    return _last_kinds[1]
+
+
+def split_parts(chunks: list, max_bytes: int | None) -> list[list]:
+    """Greedy split of one coordinate's chunks into files of at most `max_bytes` (a larger chunk gets its own)."""
+    if not max_bytes:
+        return [chunks]
+    parts, current, size = [], [], 0
+    for item in chunks:
+        if current and size + item[0].nbytes > max_bytes:
+            parts.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += item[0].nbytes
+    parts.append(current)
+    return parts
+
+
+def coordinate_sizes(plan: ReshardPlan) -> list[int]:
+    """Bytes of shard data each coordinate's files hold, in O(tensors + kinds x coordinates): a tensor's chunk size
+    depends only on its kind (see `coordinate_chunks`), so no coordinate's chunk list is built."""
+    kinds, tensors = _kinds_of(plan)
+    members = [0] * len(kinds)
+    for _, kind in tensors:
+        members[kind] += 1
+    return [sum(count * math.prod(n for _, n in local_box(shape, placement, plan.mesh, coord)) * DTYPE_BITS[dtype] // 8
+                for (shape, placement, dtype), count in zip(kinds, members))
+            for coord in range(plan.mesh.num_shard_groups)]
