@@ -18,8 +18,7 @@ What it does:
 4. Alternates, `--runs` times (rotating the order): (a) stock
    `AutoModelForCausalLM.from_pretrained(SRC, distributed_config=DistributedConfig(fsdp_size=F))`, (b)
    `reshard.from_pretrained(OUT)` (`dcp.load` with `reshard.StorageReader`: own-file reads with the CRC-32 computed
-   as bytes pass, the default), (c) the same with `check_checksums=False`, (d) `reshard-ownfile`: the own-file
-   reader the patch used before the storage reader (no `dcp.load`), (e) `reshard-dcp`: transformers' own
+   as bytes pass, the default), (c) the same with `check_checksums=False`, (d) `reshard-dcp`: transformers' own
    `dcp.load` path with torch's `HuggingFaceStorageReader` (no CRC);
    each a fresh `torchrun --standalone --nproc-per-node F bench/load_rank.py ...` job.
 5. Reports per rank: bytes of tensor data read (stock and dcp.load: every safetensors slice / get_tensor counted;
@@ -49,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = Path(__file__).resolve().parent / "load_rank.py"
 MB = 10**6
-MODES = ("stock", "reshard", "reshard-nocrc", "reshard-ownfile", "reshard-dcp")
+MODES = ("stock", "reshard", "reshard-nocrc", "reshard-dcp")
 DEFAULT_MODES = MODES
 
 

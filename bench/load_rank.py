@@ -7,8 +7,6 @@ usage (under torchrun): load_rank.py MODE FOLDER FSDP REPORT_DIR
                            `reshard.StorageReader`, each rank reading its own files into its local shards, CRC-32
                            computed as the bytes pass (the default)
           `reshard-nocrc`  the same with `check_checksums=False`
-          `reshard-ownfile` the own-file reader the patch used before the storage reader
-                           (`local_read.load_local_shards`: no `dcp.load`), for a same-run comparison
           `reshard-dcp`    `reshard.from_pretrained(FOLDER)` with transformers' own `_load_model_checkpoint_distributed`
                            (state dict gathered and redistributed, `dcp.load` with torch's `HuggingFaceStorageReader`,
                            which opens every file's header; no CRC)
@@ -27,8 +25,8 @@ Each rank writes REPORT_DIR/rank{r}.json with:
 - `reads`: what this rank materialized through safetensors: every `safe_open` is proxied (files opened, per
   phase), every slice `__getitem__` / `get_tensor` result counted (bytes of the returned tensor, per file and per
   phase). Stock and the DCP path read tensor data through safetensors' whole-file mmap (no read() syscalls), so
-  this is the measure of tensor bytes read; it does not see kernel readahead / fault-around. reshard's own-file
-  reads bypass safetensors: `local_read.read_file` is wrapped to count the files and tensor bytes it reads. (The resident size of each file's mapping
+  this is the measure of tensor bytes read; it does not see kernel readahead / fault-around. reshard's
+  reads bypass safetensors: the files `reshard.StorageReader` opens are wrapped to count every byte read. (The resident size of each file's mapping
   in /proc/self/smaps was tried and dropped: after copying 143 MB out of a safe_open'd file, its mapping showed
   5.5 MB resident.)
 - `io`: /proc/self/io before and after `from_pretrained` (rchar = bytes through read()/pread() syscalls: the CRC
@@ -153,7 +151,6 @@ def install_phases(mode: str, model_cls) -> None:
     ]
     if mode != "stock":
         import reshard.load.loader as rl
-        import reshard.load.local_read as local_read
         import reshard.load.storage as storage
 
         targets += [
@@ -164,7 +161,6 @@ def install_phases(mode: str, model_cls) -> None:
             (storage, "load_model_state", "reshard: dcp.load with reshard.StorageReader"),
             (storage.StorageReader, "read_metadata", "reshard: StorageReader.read_metadata (manifest)"),
             (storage.StorageReader, "read_data", "reshard: StorageReader.read_data (own files)"),
-            (local_read, "load_local_shards", "reshard-ownfile: read own files into local shards"),
         ]
     for owner, name, label in targets:
         if name in owner.__dict__:
@@ -284,9 +280,8 @@ class _CountedFile:
 
 
 def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
-    """Count what `reshard.StorageReader` reads (every file it opens, every byte); for `reshard-ownfile`, make the
-    patch take the own-file reader it used before the storage reader (`local_read.load_local_shards`)."""
-    import reshard.load.local_read as local_read
+    """Count what `reshard.StorageReader` reads (every file it opens, every byte); for `reshard-dcp`, give
+    transformers back its own distributed-checkpoint load."""
     import reshard.load.storage as storage
 
     open_file = storage._open
@@ -296,31 +291,7 @@ def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
         return _CountedFile(open_file(path), path.name, counter)
 
     storage._open = counted_open
-    if mode == "reshard-ownfile":
-        import transformers.distributed.mixin as mixin
-        from pathlib import Path
-
-        import reshard.load.patch as patch
-        from reshard.manifest import Manifest
-
-        read_file = local_read.read_file
-
-        def counted_read_file(job, *args, **kwargs):
-            counter.opened(job.path.name)
-            problem = read_file(job, *args, **kwargs)
-            for read in job.reads:
-                counter.got(job.path.name, read.local, _current_phase())
-            return problem
-
-        local_read.read_file = counted_read_file
-
-        def own_file_load(model, checkpoint_dir, strict=True):
-            manifest = Manifest(patch._active_manifest.get(), Path(checkpoint_dir))
-            if not local_read.load_local_shards(model, manifest, checksums=patch._checksums.get()):
-                raise SystemExit("reshard-ownfile: the own-file path declined")
-
-        mixin._load_model_checkpoint_distributed = own_file_load
-    elif mode == "reshard-dcp":
+    if mode == "reshard-dcp":
         import transformers.distributed.mixin as mixin
 
         import reshard.load.patch as patch

@@ -17,6 +17,7 @@ copied to node-local disks on their own (`reshard files`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import zlib
@@ -241,12 +242,58 @@ def _tiling_problem(shape: tuple[int, ...], placement, mesh: MeshSpec) -> str | 
         return "a chunk is stored twice"
     if 0 in shape:
         return None  # nothing to cover
-    per_dim = [sorted({box[d] for box in distinct}) for d in range(len(shape))]
-    cells = math.prod(len(intervals) for intervals in per_dim)
-    if not distinct or any(not _tiles(iv, n) for iv, n in zip(per_dim, shape)) or len(distinct) != cells:
-        covered = sum(math.prod(n for _, n in box) for box in distinct)
-        return (f"the chunks do not tile the tensor {list(shape)} exactly once ({covered} of {math.prod(shape)} "
-                f"elements in {len(distinct)} distinct chunk(s))")
+    return coverage_problem(shape, list(distinct))
+
+
+def region_text(offsets, lengths) -> str:
+    """`0:4, 8:16` for a box given as offsets and lengths."""
+    return ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths))
+
+
+def coverage_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, int], ...]], *,
+                     gap_hint: str = "") -> str | None:
+    """Whether distinct non-empty boxes tile `shape` exactly once; what is wrong (the overlap or a gap, as index
+    ranges, the gap followed by `gap_hint`), or None.
+
+    A grid (each dim's intervals tile the dim, one box per cell: every layout a mesh gives) is checked in
+    O(boxes); anything else pairwise, after a sort on dim 0.
+    """
+    numel = math.prod(shape)
+    if not shape:
+        return None if boxes or numel == 0 else "no chunk holds it"
+    per_dim = [sorted({box[d] for box in boxes}) for d in range(len(shape))]
+    grid = all(_tiles(iv, n) for iv, n in zip(per_dim, shape)) and len(boxes) == math.prod(map(len, per_dim))
+    if grid or numel == 0:
+        return None
+    ordered = sorted(boxes)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            if b[0][0] >= a[0][0] + a[0][1]:
+                break
+            if all(bo < ao + an and ao < bo + bn for (ao, an), (bo, bn) in zip(a, b)):
+                lo = [max(ao, bo) for (ao, _), (bo, _) in zip(a, b)]
+                hi = [min(ao + an, bo + bn) for (ao, an), (bo, bn) in zip(a, b)]
+                return (f"chunks [{region_text(*zip(*a))}] and [{region_text(*zip(*b))}] overlap on "
+                        f"[{', '.join(f'{l}:{h}' for l, h in zip(lo, hi))}]")
+    covered = sum(math.prod(n for _, n in box) for box in boxes)
+    if covered == numel:
+        return None  # disjoint and as many elements as the tensor: an exact tiling that is not a grid
+    gap = _first_gap(shape, boxes)
+    where = f"; [{gap}] is in no chunk" if gap else ""
+    return f"the chunks cover {covered} of its {numel} elements{where}{gap_hint}"
+
+
+
+def _first_gap(shape, boxes, limit: int = 200_000) -> str | None:
+    """The first cell of the grid the boxes' edges draw that no box covers, as index ranges (None past `limit`)."""
+    edges = [sorted({0, n, *(o for box in boxes for o in (box[d][0], box[d][0] + box[d][1]))})
+             for d, n in enumerate(shape)]
+    cells = [list(zip(e, e[1:])) for e in edges]
+    for count, cell in enumerate(itertools.product(*cells)):
+        if count >= limit:
+            return None
+        if not any(all(o <= lo and hi <= o + n for (lo, hi), (o, n) in zip(cell, box)) for box in boxes):
+            return ", ".join(f"{lo}:{hi}" for lo, hi in cell)
     return None
 
 

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.read.dcp_source import coverage_problem, read_dcp_source
+from reshard.manifest import coverage_problem
+from reshard.read.dcp_source import read_dcp_source
 from reshard.errors import CheckpointError, OutputError
 from reshard.write.merge import merge_checkpoint
 from reshard.plan.mesh import MeshSpec
@@ -268,8 +269,8 @@ def test_an_interrupted_merge_leaves_nothing(written, tmp_path, monkeypatch):
 
 def test_coverage_problem_names_the_region():
     assert coverage_problem((4, 6), [((0, 2), (0, 6)), ((2, 2), (0, 3)), ((2, 2), (3, 3))]) is None
-    assert coverage_problem((4, 6), [((0, 2), (0, 6)), ((2, 2), (0, 3))]) == \
-        "the chunks cover 18 of its 24 elements; [2:4, 3:6] is in no chunk (a rank file is missing or incomplete)"
+    assert coverage_problem((4, 6), [((0, 2), (0, 6)), ((2, 2), (0, 3))], gap_hint=" (a rank file is missing)") == \
+        "the chunks cover 18 of its 24 elements; [2:4, 3:6] is in no chunk (a rank file is missing)"
     assert coverage_problem((4,), [((0, 3),), ((2, 2),)]) == "chunks [0:3] and [2:4] overlap on [2:3]"
     assert coverage_problem((), [()]) is None
 

@@ -349,9 +349,9 @@ def test_bad_quantized_inputs_fail_clearly_and_write_nothing(models, tmp_path, c
 
 
 def test_an_fp8_dtype_this_torch_lacks_is_refused_before_writing(models, tmp_path, monkeypatch):
-    import reshard.runs.dequant as dequant
+    from reshard.read import checkpoint
 
-    monkeypatch.setitem(dequant.TORCH_DTYPES, "F8_E4M3", "float8_e4m3_not_in_this_torch")
+    monkeypatch.setitem(checkpoint.TORCH_DTYPE_NAMES, "F8_E4M3", "float8_e4m3_not_in_this_torch")
     result = CliRunner().invoke(cli, ["write", str(models["qwen3_moe-fp8"][0]), str(tmp_path / "out"), "--fsdp", "4",
                                       "--dequantize", "bf16", "-q"])
     assert result.exit_code == 1

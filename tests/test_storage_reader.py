@@ -111,6 +111,11 @@ def test_a_flipped_byte_or_a_file_unlike_the_manifest_is_a_load_error(folders, r
     with pytest.raises(CheckpointException, match=r"shard-00003-model-00001-of-00001.safetensors is corrupt \(CRC"):
         dcp.load(state, storage_reader=reshard.StorageReader(out))
     dcp.load(state, storage_reader=reshard.StorageReader(out, check_checksums=False))  # the choice is the user's
+    data[-5] ^= 0xFF
+    data[data.index(b'"format":"pt"') + 11] ^= 0x01  # "pt" -> "pu": the header still parses; the CRC covers it
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException, match=r"shard-00003-model-00001-of-00001.safetensors is corrupt \(CRC"):
+        dcp.load(state, storage_reader=reshard.StorageReader(out))
     victim.write_bytes(bytes(data[:-8]))
     with pytest.raises(CheckpointException, match="has .* bytes, the manifest says"):
         dcp.load(state, storage_reader=reshard.StorageReader(out))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..errors import LoadError, ReshardError, VerifyError
 from ..manifest import MANIFEST_NAME, Manifest, coverage_problems, file_crc32, header_problems, read_manifest
-from ..read.checkpoint import read_header
-from .local_read import gather, raise_if_any, torch_dtype
+from ..read.checkpoint import read_header, torch_dtype
+from .local_read import gather, raise_if_any
 from .patch import (active_manifest, install, patch_transformers,  # noqa: F401  (re-exported)
                     uninstall_unless_user, unpatch_transformers)
 

@@ -33,9 +33,9 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header
+from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header, torch_dtype
 from ..errors import LoadError, ReshardError, VerifyError
-from .local_read import _BackgroundCrc, _fill, _read_tensor, _Staging, torch_dtype
+from .local_read import _BackgroundCrc, _fill, _read_tensor, _Staging
 from ..manifest import Manifest, header_problems, placement_of, read_manifest
 
 import torch

@@ -31,6 +31,10 @@ DTYPE_BITS = {
     "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
+# The torch dtype of each safetensors dtype torch can hold, by attribute name (a torch without one gets None).
+TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8",
+                     "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+                     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 # Non-weight files `write` copies (and fetches from the Hub): config, generation config, tokenizer and chat-template
@@ -121,6 +125,14 @@ class CheckpointIndex:
                 path=self.source,
             )
         return self.root / file
+
+
+def torch_dtype(code: str):
+    """The torch dtype of a safetensors dtype code (`BF16` -> torch.bfloat16), or None if this torch has none.
+    Imports torch (only then)."""
+    import torch
+
+    return getattr(torch, TORCH_DTYPE_NAMES.get(code, ""), None)
 
 
 def check_dtype(dtype, *, file: str, name: str) -> None:

@@ -25,16 +25,16 @@ to offsets with the same forward machinery `write` uses.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import DTYPE_BITS, CheckpointIndex, FileHeader, TensorEntry, is_metadata_file, read_header
+from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, is_metadata_file, read_header
 from ..errors import CheckpointError
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor
-from ..manifest import DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, header_problems, read_manifest
+from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
+                        read_manifest, region_text)
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 SOURCE_LAYOUT_VERSION = 1
@@ -315,7 +315,7 @@ def _place(name, shape, found, entries, where, *, dtype=None):
         if 0 in entry.shape:
             continue  # an explicit empty marker
         if any(o + n > s for o, n, s in zip(offsets, entry.shape, shape)):
-            raise CheckpointError(f"{where}: {entry.file} holds {name}[{_region(offsets, entry.shape)}], outside its "
+            raise CheckpointError(f"{where}: {entry.file} holds {name}[{region_text(offsets, entry.shape)}], outside its "
                                   f"shape {list(shape)}. Nothing was written.", path=where)
         distinct.setdefault(tuple(zip(offsets, entry.shape)), entry)
     if dtype is not None:
@@ -324,7 +324,7 @@ def _place(name, shape, found, entries, where, *, dtype=None):
         raise CheckpointError(f"{where}: the chunks of {name} disagree on its dtype ("
                               f"{', '.join(f'{d} in {f}' for d, f in dtypes.items())}); they come from different "
                               "saves. Nothing was written.", path=where)
-    problem = coverage_problem(shape, list(distinct))
+    problem = coverage_problem(shape, list(distinct), gap_hint=" (a rank file is missing or incomplete)")
     if problem:
         raise CheckpointError(f"{where}: {name} {list(shape)}: {problem}. Nothing was written.", path=where)
     pieces = []
@@ -335,66 +335,6 @@ def _place(name, shape, found, entries, where, *, dtype=None):
     if not dtypes:
         raise CheckpointError(f"{where}: no chunk of {name}. Nothing was written.", path=where)
     return shape, dtype or next(iter(dtypes)), tuple(pieces)
-
-
-def _region(offsets, lengths) -> str:
-    return ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths))
-
-
-def coverage_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, int], ...]]) -> str | None:
-    """Whether distinct non-empty boxes tile `shape` exactly once; what is wrong (the overlap or a gap, as index
-    ranges), or None.
-
-    A grid (each dim's intervals tile the dim, one box per cell: every layout a mesh gives) is checked in
-    O(boxes); anything else pairwise, after a sort on dim 0.
-    """
-    numel = math.prod(shape)
-    if not shape:
-        return None if boxes or numel == 0 else "no chunk holds it"
-    per_dim = [sorted({box[d] for box in boxes}) for d in range(len(shape))]
-    grid = all(_tiles(iv, n) for iv, n in zip(per_dim, shape)) and len(boxes) == math.prod(map(len, per_dim))
-    if grid or numel == 0:
-        return None
-    ordered = sorted(boxes)
-    for i, a in enumerate(ordered):
-        for b in ordered[i + 1:]:
-            if b[0][0] >= a[0][0] + a[0][1]:
-                break
-            if all(bo < ao + an and ao < bo + bn for (ao, an), (bo, bn) in zip(a, b)):
-                lo = [max(ao, bo) for (ao, _), (bo, _) in zip(a, b)]
-                hi = [min(ao + an, bo + bn) for (ao, an), (bo, bn) in zip(a, b)]
-                return (f"chunks [{_region(*zip(*a))}] and [{_region(*zip(*b))}] overlap on "
-                        f"[{', '.join(f'{l}:{h}' for l, h in zip(lo, hi))}]")
-    covered = sum(math.prod(n for _, n in box) for box in boxes)
-    if covered == numel:
-        return None  # disjoint and as many elements as the tensor: an exact tiling that is not a grid
-    gap = _first_gap(shape, boxes)
-    where = f"; [{gap}] is in no chunk" if gap else ""
-    return f"the chunks cover {covered} of its {numel} elements{where} (a rank file is missing or incomplete)"
-
-
-def _tiles(intervals, size: int) -> bool:
-    cursor = 0
-    for offset, length in intervals:
-        if offset != cursor:
-            return False
-        cursor += length
-    return cursor == size
-
-
-def _first_gap(shape, boxes, limit: int = 200_000) -> str | None:
-    """The first cell of the grid the boxes' edges draw that no box covers, as index ranges (None past `limit`)."""
-    import itertools
-
-    edges = [sorted({0, n, *(o for box in boxes for o in (box[d][0], box[d][0] + box[d][1]))})
-             for d, n in enumerate(shape)]
-    cells = [list(zip(e, e[1:])) for e in edges]
-    for count, cell in enumerate(itertools.product(*cells)):
-        if count >= limit:
-            return None
-        if not any(all(o <= lo and hi <= o + n for (lo, hi), (o, n) in zip(cell, box)) for box in boxes):
-            return ", ".join(f"{lo}:{hi}" for lo, hi in cell)
-    return None
 
 
 # ---- the source layout record (in reshard.json) -------------------------------------------------------------------
@@ -426,6 +366,3 @@ def source_layout_record(layout: ModelLayout, index: CheckpointIndex) -> dict | 
     return {"version": SOURCE_LAYOUT_VERSION,
             "tensors": {name: [_format_on_disk(p) for p in pieces] for name, pieces in tensors.items()}}
 
-
-def itemsize(dtype: str) -> int:
-    return DTYPE_BITS[dtype] // 8

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..read import checkpoint
 from ..read.checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry
 from ..errors import OutputError, QuantizationError
 from ..plan.layout import TargetTensor
@@ -26,9 +27,6 @@ from ..plan.placement import Box, box_is_empty
 from ..read.quant import MXFP4_BLOCK, QuantizedTensor
 
 SLAB_BYTES = 32 << 20  # output bytes computed at once; the source rows and lookup indices add about 3x that
-TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "U8": "uint8",
-                "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-                "F8_E5M2": "float8_e5m2"}
 # e2m1, indexed by the 4-bit code (sign in the high bit), as transformers' FP4_VALUES
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -37,9 +35,9 @@ def torch_dtype(dtype: str):
     """The torch dtype of a safetensors dtype string, or a `QuantizationError` naming what this torch lacks."""
     import torch
 
-    found = getattr(torch, TORCH_DTYPES.get(dtype, ""), None)
+    found = checkpoint.torch_dtype(dtype)
     if found is None:
-        name = TORCH_DTYPES.get(dtype, dtype)
+        name = checkpoint.TORCH_DTYPE_NAMES.get(dtype, dtype)
         raise QuantizationError(f"{dtype}: this torch ({torch.__version__}) has no {name} dtype, "
                                 "which reshard needs to decode these weights. Install a torch that has it "
                                 "(float8 dtypes arrived in torch 2.1).")

@@ -10,13 +10,12 @@ REPORT_DIR/rank{r}.json: per case, the tensors that differ from the source's in-
 files whose CRC-32 was checked, this rank's own files, and each expert tensor's placements and local shape.
 """
 
-import json
-import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
+
+from rank_report import finish, record_failure
 
 
 class AuditedFile:
@@ -122,12 +121,8 @@ def main():
                 "sizes": {f["name"]: f["bytes"] for f in manifest.files},
             }
     except BaseException as e:  # report everything: the test asserts on it
-        report["error"] = f"{type(e).__name__}: {e}"
-        report["traceback"] = traceback.format_exc()[-4000:]
-    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+        record_failure(report, e, 4000)
+    finish(report_dir, report)
 
 
 if __name__ == "__main__":

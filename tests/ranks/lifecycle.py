@@ -10,13 +10,13 @@ tensor's `full_tensor()` compared with TRAINED_FILE with `torch.equal`. Each ran
 (`error` with the traceback on failure, else `mismatched` per model) and exits non-zero on error.
 """
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
+
+from rank_report import finish, record_failure, save
 
 
 def full_state(model) -> dict:
@@ -65,15 +65,10 @@ def main():
         for i in range(0, len(args), step):
             (train if phase == "train" else load)(rank, *args[i:i + step], report)
     except BaseException as e:  # report everything: the test asserts on it
-        report["error"] = f"{type(e).__name__}: {e}"
-        report["traceback"] = traceback.format_exc()[-3000:]
-        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        record_failure(report, e)
+        save(report_dir, report)
         os._exit(3)
-    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(report_dir, report)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ this process with stock transformers; every parameter's `full_tensor()` must be 
 for several folders: the imports and the process group are paid once. Each rank writes REPORT_DIR/rank{r}.json.
 """
 
-import json
 import os
 import sys
-import traceback
 
 import torch
+
+from rank_report import finish, record_failure
 
 
 def main():
@@ -34,15 +34,8 @@ def main():
                                       "missing": sorted(set(reference) - set(state)),
                                       "empty_locals": sorted(n for n, s in local.items() if 0 in s)}
     except BaseException as e:  # report everything: the test asserts on it
-        report["error"] = f"{type(e).__name__}: {e}"
-        report["traceback"] = traceback.format_exc()[-3000:]
-    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        record_failure(report, e)
+    finish(report_dir, report)
     if "error" in report:
         sys.exit(3)
 

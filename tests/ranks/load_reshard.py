@@ -8,14 +8,14 @@ The report counts `dcp.load` calls, to tell reshard's own-file reads from the di
 Each rank writes REPORT_DIR/rank{r}.json (or rank{r}.error.json with the exception) and exits non-zero on error.
 """
 
-import json
 import math
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
+
+from rank_report import finish, record_failure, save
 
 
 def main():
@@ -78,17 +78,12 @@ def main():
         report["loss"] = float(loss)
         report["step_ok"] = math.isfinite(float(loss))
     except BaseException as e:  # report everything: the test asserts on it
-        report["error"] = f"{type(e).__name__}: {e}"
-        report["traceback"] = traceback.format_exc()[-3000:]
-        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        record_failure(report, e)
+        save(report_dir, report)
         if type(e).__name__ == "LoadError":
             dist.barrier()  # reshard's errors are raised on every rank together: let each one report before exiting
         os._exit(3)
-    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(report_dir, report)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+"""What the rank scripts share: each rank writes REPORT_DIR/rank{r}.json, which the test reads and asserts on."""
+
+import json
+import os
+import traceback
+
+
+def record_failure(report: dict, error: BaseException, limit: int = 3000) -> None:
+    """Put `error` and the end of its traceback into `report` (the test prints them)."""
+    report["error"] = f"{type(error).__name__}: {error}"
+    report["traceback"] = traceback.format_exc()[-limit:]
+
+
+def save(report_dir, report: dict) -> None:
+    with open(os.path.join(report_dir, f"rank{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def finish(report_dir, report: dict) -> None:
+    """Save the report, then leave the process group together: a rank tearing gloo down while a peer still runs its
+    last collective can abort that peer."""
+    import torch.distributed as dist
+
+    save(report_dir, report)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
