@@ -363,25 +363,37 @@ def test_torchrun_write_with_a_killed_rank(tiny, tmp_path):
     assert_nothing_left(out)
 
 
-def test_a_killed_rank_without_an_agent(tiny, tmp_path):
+@pytest.mark.parametrize("killed", [2, 0])
+def test_a_killed_rank_without_an_agent(tiny, tmp_path, killed):
     """Under a launcher that stops nobody (srun, mpirun; here tests/ranks/spawn.py), the other ranks notice the killed
-    rank's missing heartbeats, stop with the cause and remove the temporary folder."""
+    rank's missing heartbeats, stop with the cause and remove the temporary folder. Rank 0 hosts the job's store
+    there: when it is the one killed, the others stop on the store's silence, with that cause."""
     src = tiny("qwen3_moe", experts=2)
     out = tmp_path / "out"
     killed_at = tmp_path / "killed-at"
     cases = write_cases(tmp_path / "cases.json", [
-        {"argv": ["write", str(src), str(out), "--fsdp", "4", "-q"], "fault": f"kill:2:{killed_at}"}])
+        {"argv": ["write", str(src), str(out), "--fsdp", "4", "-q"], "fault": f"kill:{killed}:{killed_at}"}])
     summary = tmp_path / "summary.json"
     run_group([sys.executable, str(RANK_SCRIPTS / "spawn.py"), "4", str(summary), str(WRITE_CLI), str(cases),
                str(tmp_path / "reports")], env={"RESHARD_TEST_STALE_S": "3"})
     exits = json.loads(summary.read_text())
-    assert exits["2"]["exitcode"] == -signal.SIGKILL
-    for r in (0, 1, 3):
+    assert exits[str(killed)]["exitcode"] == -signal.SIGKILL
+    cause = ("rank 2 stopped responding 3 s ago (killed, or its node is down)" if killed else
+             "the job's store stopped answering")
+    for r in sorted({0, 1, 2, 3} - {killed}):
         assert exits[str(r)]["exitcode"] is not None, f"rank {r} did not stop"
-        report = json.loads((tmp_path / "reports" / f"case0-rank{r}.json").read_text())
+        report_path = tmp_path / "reports" / f"case0-rank{r}.json"
+        assert report_path.exists(), f"rank {r} left no report: {exits}"
+        report = json.loads(report_path.read_text())
         assert report["exit"] == 1
-        assert "rank 2 stopped responding 3 s ago (killed, or its node is down)" in report["stderr"], report["stderr"]
-    assert_nothing_left(out)
+        assert cause in report["stderr"] and "Traceback" not in report["stderr"], report["stderr"]
+    if killed:
+        assert_nothing_left(out)
+    else:  # the others removed rank 0's temporary folder; its lock file stays, unlocked by the kernel
+        assert not out.exists() and beside(out) == [f".{out.name}.reshard-lock"], beside(out)
+        rerun = CliRunner().invoke(cli, ["write", str(src), str(out), "--fsdp", "4", "-q"])
+        assert rerun.exit_code == 0, rerun.output
+        assert beside(out) == []
 
 
 def test_torchrun_write_stopped_while_ranks_wait(tiny, tmp_path):

@@ -57,6 +57,7 @@ MAX_DEFAULT_WORKERS = 4  # beyond ~4 streams a single disk stops gaining; pass -
 REPORT_EVERY_S = 0.2  # how often a writer reports its copied bytes
 POLL_S = 0.1  # how often a rank waiting for the others looks at the store (and lets signals in)
 HEARTBEAT_S = 1.0
+LINGER_S = 5.0  # how long a failing rank 0 that hosts the store keeps it up for the others to read why they stop
 STALE_S = 30.0  # a rank whose heartbeat has not moved for this long is gone (SIGKILL, node down)
 COLLECTIVE_TIMEOUT_S = 600  # gloo's limit for one collective; ranks enter them only once all are there
 STOP_WORKERS_S = 10.0  # a terminated worker that has not exited by then is killed
@@ -263,6 +264,27 @@ class _Agreed(OutputError):
     """An error every rank raises together, decided from a collective."""
 
 
+class _Answering:
+    """The job's store as the main thread uses it. Its host (rank 0 without a launcher agent, else the agent) may
+    vanish mid-write: a call that then fails stops this rank with that cause, as an agreed error, instead of a bare
+    network error escaping the CLI."""
+
+    def __init__(self, store, ranks: _Ranks):
+        self._store, self._ranks = store, ranks
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+
+        def answered(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError are RuntimeErrors
+                why = self._ranks.gone or f"the job's store stopped answering ({e}): rank 0 or the launcher is gone"
+                raise _Agreed(f"{why}; every rank stopped and nothing was kept.") from e
+
+        return answered
+
+
 class _Ranks:
     """This rank's part in a distributed write: waits that poll the store, a stop flag, heartbeats, the bar.
 
@@ -283,7 +305,7 @@ class _Ranks:
             self.watch_store = store.clone()  # its own connection: heartbeats never queue behind the main thread
         except (AttributeError, RuntimeError, NotImplementedError):
             self.watch_store = store
-        self.store = store
+        self.store = _Answering(store, self)
         _Ranks.writes += 1
         self.prefix = f"reshard-write/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_Ranks.writes}/"
         self.stop = threading.Event()  # some rank failed: stop writing at the next copied block
@@ -292,6 +314,7 @@ class _Ranks:
         self.bar = None
         self._done = threading.Event()
         self._beats: dict[int, tuple[int, float]] = {}
+        self.stale: set[int] = set()  # ranks rank 0 found without heartbeats
         self._thread = threading.Thread(target=self._watch, name="reshard-ranks", daemon=True)
 
     def key(self, name: str) -> str:
@@ -339,6 +362,7 @@ class _Ranks:
             if seen is None or seen[0] != beat:
                 self._beats[r] = (beat, now)
             elif now - seen[1] > STALE_S:
+                self.stale.add(r)
                 why = f"rank {r} stopped responding {STALE_S:.0f} s ago (killed, or its node is down)"
                 self.announce("gone", why, store=store)
                 self.gone = self.gone or why
@@ -353,6 +377,22 @@ class _Ranks:
         """Best effort, on the way out: tell the others this rank will not come back (the store may be gone)."""
         try:
             self.announce("gone", why)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def depart(self, *, interrupted: bool) -> None:
+        """Best effort, on the way out of a failed write: count this rank out. Without a launcher agent rank 0's
+        process hosts the store, so a failing rank 0 keeps it up (LINGER_S at most) until every rank still alive
+        has left: none then misses the flag that says why it stops."""
+        try:
+            self.store.add(self.key("left"), 1)
+            hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            if self.rank != 0 or not hosts_store or interrupted:  # a signal stops every rank: leave promptly
+                return
+            deadline = time.monotonic() + LINGER_S
+            while (self.store.add(self.key("left"), 0) < self.world - len(self.stale)
+                   and time.monotonic() < deadline):
+                time.sleep(POLL_S)
         except Exception:  # noqa: BLE001
             pass
 
@@ -610,6 +650,7 @@ def _write_as_rank(ranks: _Ranks, read_plan, out, overwrite: bool, max_shard_siz
             why = (f"rank {rank} on {ranks.host} was interrupted" if isinstance(e, KeyboardInterrupt) else
                    f"rank {rank} on {ranks.host} stopped ({type(e).__name__}: {e})")
             ranks.leave(why)
+        ranks.depart(interrupted=isinstance(e, KeyboardInterrupt))
         raise
     finally:
         lock.close()

@@ -8,6 +8,7 @@ every rank's exit code and seconds from launch to exit (null for one still runni
 
 import json
 import os
+import pickle
 import runpy
 import socket
 import sys
@@ -25,6 +26,13 @@ def _rank_main(rank, world, port, script, args):
     runpy.run_path(script, run_name="__main__")
 
 
+def _show_escaped(rank: int, error_file: str) -> None:
+    """spawn's wrapper pickles an exception that escaped the script into the rank's error file, and exits 1."""
+    if error_file and os.path.exists(error_file) and os.path.getsize(error_file):
+        with open(error_file, "rb") as f:
+            sys.stderr.write(f"rank {rank} raised:\n{pickle.load(f)}\n")
+
+
 def main():
     world, summary_path, script, *args = sys.argv[1:]
     world = int(world)
@@ -38,6 +46,7 @@ def main():
         for rank, process in enumerate(context.processes):
             if rank not in exits and not process.is_alive():
                 exits[rank] = (process.exitcode, time.monotonic() - start)
+                _show_escaped(rank, context.error_files[rank])
         time.sleep(0.05)
     for rank, process in enumerate(context.processes):
         if rank not in exits:
