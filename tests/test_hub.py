@@ -75,6 +75,7 @@ def test_revision_picks_that_commit(hub, tmp_path):
 
     main, v1 = experts(), experts("--revision", "v1")
     assert {s[0] for s in main} == {2} and {s[0] for s in v1} == {4}
+    assert experts("--revision", hub.refs[REPO]["v1"]) == v1  # a commit id, as a training config pins it
     result = cli(hub, tmp_path, "plan", REPO, "--fsdp", 4, "--revision", "nope")
     assert result.returncode == 1 and "nope" in result.stderr
 
