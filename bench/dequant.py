@@ -157,6 +157,10 @@ def main() -> None:
         print(f"generating in {work} ...", flush=True)
         fp8, fp8_bytes, out_bytes = generate_fp8(work / "fp8", int(args.size_gb * GB))
         small, small_bytes, small_out = generate_fp8(work / "fp8-small", int(args.size_gb * GB / 4))
+        if small_out >= out_bytes:  # both rounded to whole layers: no difference to take the steady state from
+            raise SystemExit(f"--size-gb {args.size_gb:g} gives {out_bytes / GB:.2f} GB of output and a quarter twin "
+                             f"of the same size (whole layers of {small_out / GB:.2f} GB); use at least "
+                             f"{4 * small_out / GB:.1f}")
         bf16, bf16_bytes = generate(work / "bf16", out_bytes, 2 * GB)
         print(f"FP8 source {fp8_bytes / GB:.2f} GB -> bf16 output {out_bytes / GB:.2f} GB "
               f"(quarter twin {small_out / GB:.2f} GB); bf16 source {bf16_bytes / GB:.2f} GB; {cores} cores", flush=True)

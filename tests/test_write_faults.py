@@ -7,6 +7,7 @@ the temporary folder may remain, but OUT must not appear, and the next write to 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -165,6 +166,43 @@ def test_disk_full_in_the_copy_loop(tiny, tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert "no space left" in result.output.lower() and "Traceback" not in result.output
     assert_nothing_left(out)
+
+
+def test_disk_full_when_a_file_reserves_its_blocks(tiny, tmp_path, monkeypatch):
+    """Each file reserves its exact size before its first byte (fallocate): a disk that fills meanwhile fails there,
+    with the usual message, and nothing is left."""
+    src = tiny("mixtral", experts=8)
+    out = tmp_path / "out"
+    reserved = []
+
+    def fallocate(fd, mode, offset, length):
+        reserved.append(length)
+        if len(reserved) == 3:
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return os.ftruncate(fd, length) or 0  # reserve the size, as the kernel does
+
+    monkeypatch.setattr(write_module, "_fallocate", lambda: fallocate)
+    result = write_cli(src, out, "--fsdp", "5")
+    assert result.exit_code == 1 and len(reserved) == 3
+    assert "no space left" in result.output.lower() and "Traceback" not in result.output
+    assert_nothing_left(out)
+
+
+def test_every_file_reserves_exactly_its_size(tiny, tmp_path, monkeypatch):
+    """The reserved size is the file's final size (a reservation past it would leave zeros behind the last tensor)."""
+    src = tiny("mixtral", experts=8)
+    reserved = {}
+    real_create = write_module.create_sized
+
+    def create_sized(path, size):
+        reserved[Path(path).name] = size
+        return real_create(path, size)
+
+    monkeypatch.setattr(write_module, "create_sized", create_sized)
+    write_checkpoint(src, tmp_path / "out", MeshSpec(fsdp=5), progress=False)
+    written = {p.name: p.stat().st_size for p in (tmp_path / "out").glob("shard-*.safetensors")}
+    assert reserved == written and len(written) == 5
 
 
 def test_not_enough_free_space_is_refused_before_writing(tiny, tmp_path, monkeypatch):

@@ -156,7 +156,7 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
 def _write_merged_file(path: Path, tensors: list[OutputTensor], copier) -> int:
     from ..plan.files import ChunkSpec
     from ..runs.byte_runs import Run, chunk_runs
-    from .shards import safetensors_header
+    from .shards import create_sized, safetensors_header
 
     specs = [ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)]
     header = safetensors_header(specs, {"format": "pt"})
@@ -164,7 +164,7 @@ def _write_merged_file(path: Path, tensors: list[OutputTensor], copier) -> int:
     for t in tensors:
         placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(t.target, t.box, copier.index.tensors)]
         base += t.nbytes
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = create_sized(path, base)
     try:
         if os.write(fd, header) != len(header):
             raise OutputError(f"{path}: short write of the header.")

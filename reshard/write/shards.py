@@ -163,7 +163,7 @@ def _write_file(path: Path, items: list, copier: _Copier) -> dict:
         placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(tensor, box, copier.index.tensors)]
         base += spec.nbytes
     crc = copier.crc_later(header, placed)
-    out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    out_fd = create_sized(path, base)
     try:
         written = os.write(out_fd, header)
         if written != len(header):
@@ -187,7 +187,7 @@ def _write_computed_file(path: Path, header: bytes, items: list, copier: _Copier
     the next slab is computed (numpy, zlib and pwrite release the GIL). Returns the file's CRC-32."""
     dequantizer = copier.dequantizer
     view = memoryview(copier.buffer)
-    out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    out_fd = create_sized(path, len(header) + sum(spec.nbytes for spec, _, _ in items))
     state = {"crc": zlib.crc32(header), "position": _pwrite_all(out_fd, header, 0)}
 
     def put(data) -> None:  # in order, on the one background thread
@@ -647,6 +647,36 @@ def _signals_held():
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+
+
+@functools.lru_cache(maxsize=1)
+def _fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def create_sized(path: Path, size: int) -> int:
+    """Create `path` (it must not exist) for writing, with its `size` bytes of blocks reserved up front; returns the fd.
+
+    Writes into reserved blocks skip the file system's block allocation on each write (on ext4, 32 MiB pwrites ran 2-7x
+    faster, fsync included), and a full disk fails here, before any byte is copied. Where the platform or file system
+    has no fallocate nothing is reserved: this is Linux's call, not glibc's posix_fallocate, which writes zeros instead.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fn = _fallocate()
+    if fn is not None and size > 0 and fn(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            os.close(fd)
+            raise OSError(err, os.strerror(err), str(path))
+    return fd
 
 
 @functools.lru_cache(maxsize=1)
