@@ -649,17 +649,23 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-@functools.lru_cache(maxsize=1)
-def _fallocate():
+@functools.lru_cache(maxsize=None)
+def _libc(name: str, *argtypes):
+    """Linux C library's function `name` (errno kept, int result), or None: another platform, or a C library
+    without it (renameat2 needs glibc 2.28)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
+
+
+def _fallocate():
+    return _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 def create_sized(path: Path, size: int) -> int:
@@ -679,17 +685,8 @@ def create_sized(path: Path, size: int) -> int:
     return fd
 
 
-@functools.lru_cache(maxsize=1)
 def _renameat2():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # a C library without it (glibc < 2.28)
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    return _libc("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
 
 
 def _exchange(a: Path, b: Path) -> bool:
