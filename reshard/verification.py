@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 
 from .read.checkpoint import DTYPE_BITS, read_header
-from .errors import MeshError, ReshardError, VerifyError
+from .errors import MeshError, ReshardError, UsageError, VerifyError
 from .manifest import MANIFEST_NAME, coverage_problems, header_problems, read_manifest
 from .write.shards import COPY_BUFFER_BYTES
 from .runs.byte_runs import chunk_runs
@@ -275,6 +275,11 @@ def _source_view(against, revision):
         tied = set(index.tied)
     else:
         index = read_checkpoint(against, revision=revision, need_data=True)
+        if index.config.get("quantization_config"):
+            raise UsageError(f"{against} is a quantized checkpoint: a merged folder holds the bf16 values computed "
+                              "from it, not its bytes. Verify the merged folder against the reshard folder it was "
+                              "merged from, and that folder with `reshard verify OUT --against SRC`, which "
+                              "recomputes every dequantized chunk.")
         layout = find_experts(index)
         original = {p.source for t in layout.tensors for p in t.pieces}
         tied = set(_tied_from_record({t.name: [(p.source,) for p in t.pieces] for t in layout.tensors}))

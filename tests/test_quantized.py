@@ -163,6 +163,19 @@ def test_written_folders_verify_and_carry_the_bf16_config(models, written, name)
             assert sum(c["empty_markers"] for c in manifest["coords"]) > 0  # the empty-rank mesh has empty ranks
 
 
+def test_a_merged_dequantized_folder_verifies_against_its_reshard_folder_not_the_quantized_source(models, written,
+                                                                                                 tmp_path):
+    src = models["qwen3_moe-fp8"][0]
+    folder = written["qwen3_moe-fp8", "balanced", EMPTY_MESH.fsdp]
+    merged = tmp_path / "merged"
+    assert CliRunner().invoke(cli, ["merge", str(folder), str(merged), "-q"]).exit_code == 0
+    assert verify(merged, against=folder, progress=False)["ok"]
+    result = CliRunner().invoke(cli, ["verify", str(merged), "--against", str(src), "-q"])
+    assert result.exit_code == 2, result.output
+    assert "is a quantized checkpoint" in result.output and "--against" in result.output
+    assert "Traceback" not in result.output and "read_source" not in result.output
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_single_process_load_equals_the_references(models, written, name):
     src, reference_folder, method, block = models[name]

@@ -37,6 +37,7 @@ from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header, torch_
 from ..errors import LoadError, ReshardError, VerifyError
 from .local_read import _BackgroundCrc, _fill, _read_tensor, _Staging
 from ..manifest import Manifest, header_problems, placement_of, read_manifest
+from ..runs.byte_runs import row_major_strides
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader  # `import reshard` imports this module lazily
@@ -298,19 +299,11 @@ class StorageReader(HuggingFaceStorageReader):
             planner.commit_tensor(item, other)
 
 
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return strides[::-1]
-
-
 def _span(stored, item) -> tuple[int, int]:
     """The smallest byte range of the stored chunk holding the item's region (row-major order)."""
     if 0 in item.lengths:
         return stored.data_start, stored.data_start
-    strides = _strides(stored.shape)
+    strides = row_major_strides(stored.shape)
     first = sum(o * s for o, s in zip(item.storage_offsets, strides))
     last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, item.lengths, strides))
     return stored.data_start + first * stored.itemsize, stored.data_start + (last + 1) * stored.itemsize
@@ -319,7 +312,7 @@ def _span(stored, item) -> tuple[int, int]:
 def _region(buffer, stored, item):
     """The item's region as a view of `buffer`, which holds the bytes of `_span(stored, item)`."""
     typed = buffer.view(torch_dtype(stored.dtype))
-    return typed.as_strided(tuple(item.lengths), _strides(stored.shape), 0)
+    return typed.as_strided(tuple(item.lengths), row_major_strides(stored.shape), 0)
 
 
 def load_model_state(model, manifest: Manifest, *, checksums: bool = True, strict: bool = True) -> None:

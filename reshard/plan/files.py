@@ -58,17 +58,18 @@ def _kinds_of(plan: ReshardPlan) -> tuple[list[tuple], list[tuple[TargetTensor, 
     return _last_kinds[1]
 
 
-def split_parts(chunks: list, max_bytes: int | None) -> list[list]:
-    """Greedy split of one coordinate's chunks into files of at most `max_bytes` (a larger chunk gets its own)."""
+def split_parts(items: list, max_bytes: int | None, *, nbytes=lambda item: item[0].nbytes) -> list[list]:
+    """Greedy split, in order, into files of at most `max_bytes` (a larger item gets its own): one coordinate's
+    chunks (`(ChunkSpec, ...)` items, the default `nbytes`), or a merge's output tensors."""
     if not max_bytes:
-        return [chunks]
+        return [items]
     parts, current, size = [], [], 0
-    for item in chunks:
-        if current and size + item[0].nbytes > max_bytes:
+    for item in items:
+        if current and size + nbytes(item) > max_bytes:
             parts.append(current)
             current, size = [], 0
         current.append(item)
-        size += item[0].nbytes
+        size += nbytes(item)
     parts.append(current)
     return parts
 

@@ -58,7 +58,7 @@ def quantization_summary(plan: ReshardPlan) -> dict:
     from .placement import family_of
 
     q = plan.quantization
-    computed = [tp.tensor for tp in plan.tensors if any(p.source in q.tensors for p in tp.tensor.pieces)]
+    computed = [tp.tensor for tp in plan.tensors if q.computes(tp.tensor)]
     total = sum(_bytes(tp.tensor) for tp in plan.tensors)  # the view's dtypes: BF16 where computed
     return {
         "method": q.method,

@@ -279,7 +279,8 @@ def _checked_file_names(root: Path, index_path: Path, link_root: Path) -> tuple[
     return sorted(set(weight_map.values())), weight_map
 
 
-def _read_config(root: Path) -> dict:
+def read_config(root: Path) -> dict:
+    """`root/config.json` as a dict ({} when there is none)."""
     path = root / "config.json"
     if not path.exists():
         return {}
@@ -322,7 +323,7 @@ def read_local(path: Path, *, source: str | None = None, revision: str | None = 
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: not a .safetensors file.", path=str(path))
         header = read_header(path)
-        return CheckpointIndex(source, revision, path.parent, _read_config(path.parent), (header,),
+        return CheckpointIndex(source, revision, path.parent, read_config(path.parent), (header,),
                                _index_tensors([header], None, str(path)))
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such file or folder. Pass a checkpoint folder, a .safetensors file or a "
@@ -346,7 +347,7 @@ def read_local(path: Path, *, source: str | None = None, revision: str | None = 
     weight_names = set(names)
     others = tuple(sorted(p.name for p in path.iterdir()
                           if p.name not in weight_names and is_metadata_file(p.name) and p.is_file()))
-    return CheckpointIndex(source, revision, path, _read_config(path), tuple(headers),
+    return CheckpointIndex(source, revision, path, read_config(path), tuple(headers),
                            _index_tensors(headers, weight_map, str(path)), others)
 
 
@@ -450,5 +451,5 @@ def _read_remote_headers(repo_id: str, revision: str | None, root: Path) -> Chec
             begin, _ = info.data_offsets
             entries.append(TensorEntry(key, name, info.dtype, tuple(info.shape), begin))
         headers.append(FileHeader(name, None, 0, dict(file_meta.metadata or {}), tuple(entries), ""))
-    return CheckpointIndex(repo_id, revision, None, _read_config(root), tuple(headers),
+    return CheckpointIndex(repo_id, revision, None, read_config(root), tuple(headers),
                            _index_tensors(headers, None, repo_id))

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, is_metadata_file, read_header
+from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, is_metadata_file, read_config, read_header
 from ..errors import CheckpointError
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor
 from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
@@ -106,16 +106,6 @@ def _other_files(path: Path, weights: set[str]) -> tuple[str, ...]:
                         and is_metadata_file(p.name) and p.is_file()))
 
 
-def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e}).", path=str(path)) from e
-    return config if isinstance(config, dict) else {}
-
-
 def _chunk_key(file: str, name: str) -> str:
     return f"{file}:{name}"
 
@@ -154,7 +144,7 @@ def _read_reshard_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     source = data["source"]
     layout = ModelLayout(source["model_type"], source["architecture"], tuple(tensors))
     original, error = _recorded_original(data)
-    index = DcpIndex(str(path), None, path, _read_config(path), tuple(headers), entries,
+    index = DcpIndex(str(path), None, path, read_config(path), tuple(headers), entries,
                      _other_files(path, {h.name for h in headers}), kind=RESHARD, original=original,
                      original_error=error, tied=_tied_from_record(original))
     return index, layout
@@ -227,7 +217,7 @@ def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     from .experts import _role, build_meta_model, expert_param_names
 
     names = _saved_files(path)
-    config = _read_config(path)
+    config = read_config(path)
     if not config.get("model_type"):
         raise ArchitectureError(f"{path}: config.json is missing or has no model_type; save_pretrained writes it "
                                 "beside the rank files. Copy it back. Nothing was written.")

@@ -18,7 +18,6 @@ are exactly those of the bf16 model transformers builds for that config without 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, replace
 
 from .checkpoint import CheckpointIndex, TensorEntry
@@ -73,14 +72,13 @@ class Quantization:
     config: dict
     tensors: dict[str, QuantizedTensor]
 
+    def computes(self, tensor) -> bool:
+        """Whether a planned tensor has a quantized piece: its chunks are computed, not copied."""
+        return any(p.source in self.tensors for p in tensor.pieces)
+
     @property
     def quantized_bytes(self) -> int:
         return sum(q.data.nbytes + q.scale.nbytes for q in self.tensors.values())
-
-    @property
-    def output_bytes(self) -> int:
-        """Bytes of the bf16 tensors they become."""
-        return sum(math.prod(q.shape) * 2 for q in self.tensors.values())
 
     def describe(self) -> str:
         if self.method == "fp8":

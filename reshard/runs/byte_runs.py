@@ -27,7 +27,8 @@ class Run:
     nbytes: int
 
 
-def _strides(shape) -> list[int]:
+def row_major_strides(shape) -> list[int]:
+    """Element strides of a contiguous row-major array of `shape`."""
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
@@ -50,7 +51,7 @@ def chunk_runs(tensor: TargetTensor, box: Box, entries: dict[str, TensorEntry]) 
         return []
     itemsize = DTYPE_BITS[tensor.dtype] // 8
     out_lengths = [length for _, length in box]
-    out_strides = _strides(out_lengths)
+    out_strides = row_major_strides(out_lengths)
     runs = []
     for piece in tensor.pieces:
         entry = entries[piece.source]
@@ -65,7 +66,7 @@ def chunk_runs(tensor: TargetTensor, box: Box, entries: dict[str, TensorEntry]) 
         while k > 0 and lengths[k] == extent[k] == out_lengths[k]:
             k -= 1
         run_elems = math.prod(lengths[k:])
-        src_strides = _strides(extent)
+        src_strides = row_major_strides(extent)
         for prefix in itertools.product(*(range(n) for n in lengths[:k])):
             idx = list(prefix) + [0] * (len(lengths) - k)
             src_elem = sum((lo[j] + idx[j] - piece.offset[j]) * src_strides[j] for j in range(len(idx)))

@@ -95,7 +95,7 @@ class Dequantizer:
 
     def computes(self, tensor: TargetTensor) -> bool:
         """Whether `tensor` has a quantized piece (its chunks are computed, not copied)."""
-        return any(p.source in self.quantized for p in tensor.pieces)
+        return self.index.quantization is not None and self.index.quantization.computes(tensor)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -233,18 +233,17 @@ class Dequantizer:
         (self._fp8 if q.method == "fp8" else self._mxfp4)(q, lo, hi, result)
         return torch.from_numpy(result).view(torch.bfloat16) if out is None else out
 
-    def chunk_slabs(self, tensor: TargetTensor, box: Box, budget: int | None = None) -> Iterator[memoryview]:
-        """The bytes of `tensor`'s chunk `box`, in order, a slab of at most `budget` (`SLAB_BYTES`) bytes at a time.
+    def chunk_slabs(self, tensor: TargetTensor, box: Box) -> Iterator[memoryview]:
+        """The bytes of `tensor`'s chunk `box`, in order, a slab of at most `SLAB_BYTES` bytes at a time.
 
         Slabs live in two reused buffers taken in turn: a slab may be consumed (written, checksummed) while the next
         one is computed, and must be done with before the one after that is asked for.
         """
         if box_is_empty(box):
             return
-        budget = budget or SLAB_BYTES
         if tensor.dtype != "BF16":  # a computed tensor is bf16 throughout (layout: one dtype per tensor)
             raise AssertionError(f"{tensor.name}: computed tensors are BF16, not {tensor.dtype}")
-        for slab in slabs(box, 2, budget):
+        for slab in slabs(box, 2, SLAB_BYTES):
             # bf16 bits, in one of two buffers taken in turn: a slab stays valid while the next one is computed
             self._turn ^= 1
             out = self._scratch(f"slab{self._turn}", [n for _, n in slab], np.int16)

@@ -25,6 +25,7 @@ from .. import __version__
 from ..read.checkpoint import INDEX_NAME
 from ..read.dcp_source import DcpIndex, read_dcp_source
 from ..errors import CheckpointError, OutputError
+from ..plan.files import split_parts
 from ..plan.layout import ModelLayout, TargetTensor
 from ..manifest import MANIFEST_NAME
 from ..plan.placement import Box
@@ -108,20 +109,6 @@ def merge_tensors(index: DcpIndex, layout: ModelLayout, *, layout_mode: str = "o
     return out
 
 
-def split_files(tensors: list[OutputTensor], max_bytes: int | None) -> list[list[OutputTensor]]:
-    """Greedy split into files of at most `max_bytes` (a larger tensor gets a file of its own), in order."""
-    files, current, size = [], [], 0
-    for t in tensors:
-        if current and max_bytes and size + t.nbytes > max_bytes:
-            files.append(current)
-            current, size = [], 0
-        current.append(t)
-        size += t.nbytes
-    if current or not files:
-        files.append(current)
-    return files
-
-
 def _not_replaceable(out: Path) -> str | None:
     """Why `out` may not be replaced by a merge, or None: empty, a complete merge output, or a reshard output."""
     from .shards import _not_replaceable as reshard_output
@@ -153,25 +140,14 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
     check(out, overwrite, why_not=_not_replaceable, replaceable="a complete merge or reshard output")
 
 
-def _write_merged_file(path: Path, tensors: list[OutputTensor], copier) -> int:
+def _write_merged_file(path: Path, tensors: list[OutputTensor], copier) -> None:
     from ..plan.files import ChunkSpec
-    from ..runs.byte_runs import Run, chunk_runs
-    from .shards import create_sized, safetensors_header
+    from .shards import placed_runs, safetensors_header, write_copied_file
 
-    specs = [ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)]
-    header = safetensors_header(specs, {"format": "pt"})
-    placed, base = [], len(header)
-    for t in tensors:
-        placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(t.target, t.box, copier.index.tensors)]
-        base += t.nbytes
-    fd = create_sized(path, base)
-    try:
-        if os.write(fd, header) != len(header):
-            raise OutputError(f"{path}: short write of the header.")
-        copier.copy(placed, fd, 0)
-    finally:
-        os.close(fd)
-    return base
+    header = safetensors_header([ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)],
+                                {"format": "pt"})
+    placed, size = placed_runs(len(header), [(t.nbytes, t.target, t.box) for t in tensors], copier.index)
+    write_copied_file(path, header, placed, size, copier)
 
 
 def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
@@ -216,7 +192,7 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_S
 
     index, model_layout = read_dcp_source(source)
     tensors = merge_tensors(index, model_layout, layout_mode=layout)
-    parts = split_files(tensors, max_shard_size)
+    parts = split_parts(tensors, max_shard_size, nbytes=lambda t: t.nbytes)
     names = [MERGE_FILE.format(part=i + 1, parts=len(parts)) for i in range(len(parts))]
     copied = [name for name in index.other_files if name not in names and name != INDEX_NAME]
     out = Path(dest).resolve()
@@ -279,4 +255,4 @@ def is_merged_folder(folder) -> bool:
                                                  for p in path.iterdir())
 
 
-__all__ = ["merge_checkpoint", "merge_tensors", "split_files", "is_merged_folder"]
+__all__ = ["merge_checkpoint", "merge_tensors", "is_merged_folder"]

@@ -158,12 +158,25 @@ def _write_file(path: Path, items: list, copier: _Copier) -> dict:
     if dequantizer is not None and any(dequantizer.computes(tensor) for _, tensor, _ in items):
         crc = _write_computed_file(path, header, items, copier)
         return _file_entry(path, specs, crc)
-    placed, base = [], len(header)  # every run with its offset in the file
-    for spec, tensor, box in items:
-        placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(tensor, box, copier.index.tensors)]
-        base += spec.nbytes
+    placed, size = placed_runs(len(header), [(spec.nbytes, tensor, box) for spec, tensor, box in items], copier.index)
     crc = copier.crc_later(header, placed)
-    out_fd = create_sized(path, base)
+    write_copied_file(path, header, placed, size, copier)
+    return _file_entry(path, specs, crc.result())
+
+
+def placed_runs(start: int, boxes: list, index) -> tuple[list[Run], int]:
+    """The byte runs that fill `(nbytes, target, box)` items one after another from file offset `start`, and the
+    offset where the last one ends (the file's size)."""
+    placed, base = [], start
+    for nbytes, target, box in boxes:
+        placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(target, box, index.tensors)]
+        base += nbytes
+    return placed, base
+
+
+def write_copied_file(path: Path, header: bytes, placed: list[Run], size: int, copier: _Copier) -> None:
+    """Create `path` with its `size` bytes reserved, write `header`, then copy the `placed` runs."""
+    out_fd = create_sized(path, size)
     try:
         written = os.write(out_fd, header)
         if written != len(header):
@@ -171,7 +184,6 @@ def _write_file(path: Path, items: list, copier: _Copier) -> dict:
         copier.copy(placed, out_fd, 0)
     finally:
         os.close(out_fd)
-    return _file_entry(path, specs, crc.result())
 
 
 def _file_entry(path: Path, specs: list[ChunkSpec], crc: int) -> dict:
@@ -480,13 +492,13 @@ def _finish(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, out: Path, fil
             copied: list[str], overwrite: bool) -> dict:
     """Complete the temporary folder (copied files, fsync, the manifest last) and put it in place as OUT."""
     for name in copied:
-        shutil.copy2(index.root / name, tmp / name)
-    if index.quantization is not None and "config.json" in copied:
-        # the bf16 model's config: transformers must not build the quantized model for these files
-        from ..read.quant import dequantized_config
+        if name == "config.json" and index.quantization is not None:
+            # the bf16 model's config: transformers must not build the quantized model for these files
+            from ..read.quant import dequantized_config
 
-        (tmp / "config.json").write_text(json.dumps(dequantized_config(json.loads((index.root / "config.json")
-                                                                                    .read_text())), indent=2) + "\n")
+            (tmp / name).write_text(json.dumps(dequantized_config(index.config), indent=2) + "\n")
+        else:
+            shutil.copy2(index.root / name, tmp / name)
     _fsync_files(tmp)
     manifest = _manifest(plan, index, files)
     with open(tmp / MANIFEST_NAME, "w") as f:
