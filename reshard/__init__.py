@@ -16,6 +16,7 @@ _EXPORTS = {
     "make_plan": "plan.placement",
     "plan_checkpoint": "api",
     "write_shards": "write.shards",
+    "write_checkpoint": "api",
     "verify": "verification",
     "merge_checkpoint": "write.merge",
     "Manifest": "manifest",
@@ -39,6 +40,7 @@ _EXPORTS = {
     "OutputError": "errors",
     "VerifyError": "errors",
     "LoadError": "errors",
+    "ManifestError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,7 +18,8 @@ def read_source(source, *, revision: str | None = None, need_data: bool = False)
 
 
 def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
-                    revision: str | None = None, need_data: bool = False) -> ReshardPlan | None:
+                    revision: str | None = None, need_data: bool = False,
+                    drop_unloaded: bool = False) -> ReshardPlan | None:
     """Read `source`'s metadata, find its experts and plan it on `mesh`.
 
     Args:
@@ -27,6 +28,7 @@ def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMo
         mode: `balanced` or `stock`.
         revision: Hub revision.
         need_data: download tensor files too (for writing).
+        drop_unloaded: plan a write that leaves out the tensors the model does not load (see `write_checkpoint`).
 
     Returns:
         The plan, or None when the checkpoint has no routed experts.
@@ -40,24 +42,38 @@ def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMo
     layout = find_experts(index)
     if not layout.experts:
         return None
-    return make_plan(layout, mesh, mode=mode, quantization=index.quantization)
+    return make_plan(layout, mesh, mode=mode, quantization=index.quantization, drop_unloaded=drop_unloaded)
 
 
 def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
                      revision: str | None = None, overwrite: bool = False, max_shard_size: int | None = None,
-                     progress: bool | None = None, workers: int | None = 1, distributed: bool = False,
-                     dequantize: str | None = None) -> dict | None:
-    """Plan `source` on `mesh` and write it to `out` (see `reshard.write.shards.write_shards`).
+                     progress: bool | None = None, workers: int | None = 1, distributed: bool | None = None,
+                     dequantize: str | None = None, drop_unloaded: bool = False) -> dict | None:
+    """Plan `source` on `mesh` and write it to `out`: what `reshard write` runs, with the same defaults except
+    `workers` (see `reshard.write.shards.write_shards`).
 
     Args:
+        source: a folder, a `.safetensors` file, a Hub repo id, a reshard folder or a saved distributed checkpoint.
+        out: the output folder; it appears only when complete.
+        mesh: the target mesh (`reshard.MeshSpec`).
+        mode: `balanced` (default) or `stock`.
+        revision: Hub revision.
+        overwrite: replace an existing `out` (only an empty folder or a complete reshard output).
+        max_shard_size: split each rank's data into files of at most this many bytes.
+        progress: a progress bar on stderr (None: when stderr is a terminal).
         workers: processes writing in parallel on this machine (`reshard.write.parallel.write_with_workers`); 1
             writes in this process, None picks `reshard.write.parallel.default_workers`. Above 1, call this under
             `if __name__ == "__main__":` (the workers are spawned). Not with `distributed`.
         distributed: this process is one rank of a job (torchrun) and every rank calls this with the same
             arguments: each reads `source` on its own node and writes its share of the files into `out`, on a file
-            system they all share (`reshard.write.parallel.write_distributed`).
+            system they all share (`reshard.write.parallel.write_distributed`). None (default): when the launcher's
+            environment says so (`RANK`, `LOCAL_RANK`, `WORLD_SIZE` > 1), as `reshard write` and
+            `reshard.from_pretrained` decide.
         dequantize: `bf16` to write a quantized source (FP8 block-scaled, MXFP4) as bf16 rank files in one pass;
             required for such a source, ignored for any other.
+        drop_unloaded: leave out the on-disk tensors the model does not load (MTP layers, other unexpected keys).
+            By default they are kept, whole and under their own keys, in `extra-*.safetensors` files no rank loads,
+            listed in the manifest's `extras`, and `merge` writes them back.
 
     Returns:
         The manifest document (None on the ranks other than 0 of a distributed write).
@@ -65,7 +81,10 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     Raises:
         ReshardError: a problem with the source, the mesh or the output; nothing partial is left. In a distributed
             write, on every rank together.
-        ValueError: `workers` above 1 with `distributed`.
+        UsageError: `workers` above 1 in a distributed write (it is a `ValueError` too).
+
+    Example:
+        >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
     """
     from .errors import ArchitectureError
     from .read.experts import find_experts
@@ -79,7 +98,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
 
         if dcp_kind(source):  # a reshard folder or a saved distributed checkpoint: from mesh to mesh
             index, layout = read_dcp_source(source)
-            return make_plan(layout, mesh, mode=mode), index
+            return make_plan(layout, mesh, mode=mode, drop_unloaded=drop_unloaded), index
         index = read_source(source, revision=revision, need_data=True)
         if index.quantization is not None:
             if dequantize is None:
@@ -92,12 +111,18 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         layout = find_experts(index)
         if not layout.experts:
             raise ArchitectureError(f"{source}: no routed experts found (not a MoE checkpoint); nothing to reshard.")
-        return make_plan(layout, mesh, mode=mode, quantization=index.quantization), index
+        return make_plan(layout, mesh, mode=mode, quantization=index.quantization,
+                         drop_unloaded=drop_unloaded), index
 
+    if distributed is None:
+        from .load.loader import launcher_world_size
+
+        distributed = (launcher_world_size() or 1) > 1
     if distributed:
         if workers not in (None, 1):
-            raise ValueError("workers > 1 is for a write on one machine; in a distributed write each rank writes its "
-                             "share (start more ranks per node instead).")
+            raise UsageError(f"--workers {workers} is for a write on one machine; in a torchrun write every rank "
+                             "writes its share (for more writers per node, raise --nproc-per-node). Nothing was "
+                             "written.")
         from .write.parallel import write_distributed
 
         return write_distributed(read_and_plan, out, overwrite=overwrite, max_shard_size=max_shard_size,

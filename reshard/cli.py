@@ -1,4 +1,4 @@
-"""The `reshard` command line: plan, write, verify, demo.
+"""The `reshard` command line: plan, write, verify, files, merge, demo, env (in the order `--help` lists them).
 
 Each command validates its flags, calls one library function and prints a summary (or `--json`). Errors reach
 the user through one boundary (`ReshardGroup.invoke`): a bad call, or flags that cannot work with the input
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shlex
 import signal
 import sys
 
@@ -31,7 +32,14 @@ def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
 
 class ReshardGroup(click.Group):
     """The single error boundary: a mesh that cannot be used exits 2 like a bad call, other domain errors print
-    their message (exit 1), unless --debug; interruptions exit 128 + the signal."""
+    their message (exit 1), unless --debug; interruptions exit 128 + the signal. `--help` lists the commands in
+    the order a user runs them."""
+
+    FLOW = ("plan", "write", "verify", "files", "merge", "demo", "env")
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return [n for n in self.FLOW if n in names] + [n for n in names if n not in self.FLOW]
 
     def invoke(self, ctx: click.Context):
         try:
@@ -85,29 +93,34 @@ def mesh_options(func):
 
 layout_option = click.option(
     "--layout", "mode", type=click.Choice(["balanced", "stock"]), default="balanced", show_default=True,
-    help="balanced: split uneven expert tensors on an even dim (needs reshard's loader patch); "
-         "stock: shard exactly like transformers (loads with stock transformers, empty markers where needed).")
-revision_option = click.option("--revision", default=None, help="Hub branch, tag or commit (Hub sources only).")
+    help="balanced: split uneven expert tensors on a dim that divides evenly; stock: as transformers does.")
+revision_option = click.option("--revision", metavar="REV", default=None,
+                               help="Hub branch, tag or commit (Hub sources only).")
 
 
 @click.group(cls=ReshardGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.version_option(package_name="reshard")
 def cli(debug):
-    """Load MoE checkpoints on FSDP2 x expert-parallel meshes without crashes, hangs, or every rank reading it all.
+    """Plan, write, verify, merge per-rank MoE checkpoints for FSDP2 x EP meshes.
+
+    In Python, reshard.from_pretrained(OUT) on every rank patches transformers' loader to load them: no empty
+    rank, no hang, each rank reading only its own bytes.
 
     \b
     Typical flow:
-      reshard plan  SRC --fsdp 64 --ep 8        # what would happen, read from headers only
-      reshard write SRC OUT --fsdp 64 --ep 8    # per-rank files + reshard.json
-      reshard verify OUT --against SRC          # coverage and bit-identity
-    then, in each rank of a torchrun job: reshard.from_pretrained(OUT).
+      reshard demo                             # the whole job on a tiny generated model
+      reshard plan   SRC --fsdp 64 --ep 8      # what would happen, from headers only
+      reshard write  SRC OUT --fsdp 64 --ep 8  # per-rank files + reshard.json
+      reshard verify OUT --against SRC         # coverage and bit-identity
+      torchrun ... train.py                    # reshard.from_pretrained(OUT), train, save
+      reshard merge  SAVED HF_OUT              # back to a standard HF checkpoint
 
     SRC is a checkpoint folder, a .safetensors file, or a Hub repo id (org/name).
     """
 
 
-@cli.command()
+@cli.command(short_help="Plan SRC on the mesh: stock vs reshard, from headers only.")
 @click.argument("src")
 @mesh_options
 @layout_option
@@ -137,6 +150,18 @@ def plan(src, mesh, mode, revision, as_json):
         click.echo(json.dumps(plan_to_dict(result, src), indent=2))
     else:
         click.echo(render_plan(result, src))
+        click.echo(f"\nnext: {_write_line(src, mesh, mode, revision, quantized=result.quantization is not None)}")
+
+
+def _write_line(src, mesh, mode, revision, *, quantized: bool) -> str:
+    """The `reshard write` command for the mesh and flags just planned, with OUT left for the user to name."""
+    flags = {"--fsdp": mesh.fsdp, "--ep": mesh.ep, "--dp-replicate": mesh.dp_replicate, "--tp": mesh.tp,
+             "--pp": mesh.pp}
+    words = ["reshard", "write", str(src), "OUT", "--fsdp", str(mesh.fsdp)]
+    words += [w for flag, value in flags.items() if flag != "--fsdp" and value != 1 for w in (flag, str(value))]
+    words += (["--layout", mode] if mode != "balanced" else []) + (["--revision", revision] if revision else [])
+    words += ["--dequantize", "bf16"] if quantized else []
+    return " ".join(shlex.quote(w) if w != "OUT" else w for w in words)
 
 
 def main() -> None:
@@ -147,7 +172,7 @@ def main() -> None:
 def _parse_size(text: str) -> int:
     units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
              "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
-    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)  # one number: `1.2.3` is a usage error
     if not m or m.group(2).upper() not in units:
         raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000.")
     return int(float(m.group(1)) * units[m.group(2).upper()])
@@ -173,7 +198,7 @@ class SizeType(ParsedType):
     name, parse, parsed = "size", staticmethod(_parse_size), int
 
 
-@cli.command()
+@cli.command(short_help="Write SRC into OUT as per-rank files for the mesh.")
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
 @mesh_options
@@ -183,22 +208,21 @@ class SizeType(ParsedType):
               help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes writing in parallel on this machine, each a share of the rank files balanced by bytes; "
-                   "the output is the same. Default: min(4, half the CPU cores, the ranks' coordinates, one per GiB "
-                   "of data), at least 1 (1: write in this process); with --dequantize, all the cores instead of "
-                   "min(4, half).")
+              help="Processes writing on this machine (same output). Default: up to 4, by cores and size; every "
+                   "core with --dequantize.")
 @click.option("--distributed/--no-distributed", default=None,
-              help="Write as one rank of a torchrun job (`torchrun ... -m reshard write ...`): each rank writes its "
-                   "share into OUT on a shared file system, rank 0 the manifest. Default: on when torchrun's RANK, "
-                   "LOCAL_RANK and WORLD_SIZE > 1 are set.")
+              help="Write as one rank of a torchrun job, into a shared OUT. Default: on when RANK, LOCAL_RANK "
+                   "and WORLD_SIZE > 1 are set.")
 @click.option("--dequantize", type=click.Choice(["bf16"]), default=None,
-              help="For a quantized SRC (block-scaled FP8 as DeepSeek-V3 ships it, MXFP4 as gpt-oss does): write bf16 "
-                   "rank files in the same pass, and a config.json without quantization_config. Required for such a "
-                   "SRC; ignored for any other.")
+              help="Write a quantized SRC (block-scaled FP8, MXFP4) as bf16 rank files in one pass; required for "
+                   "one.")
+@click.option("--drop-unloaded", is_flag=True,
+              help="Leave out the tensors the model does not load (MTP layers). Default: kept in files no rank "
+                   "loads, for merge.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
-def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, distributed, dequantize, quiet,
-          as_json):
+def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, distributed, dequantize, drop_unloaded,
+          quiet, as_json):
     """Write SRC as per-rank shard files for the mesh into OUT, plus reshard.json.
 
     Every rank gets its own file (replicas share them): a non-empty slice of every tensor, or an explicit empty
@@ -218,33 +242,47 @@ def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, di
     """
     from .api import write_checkpoint
 
-    if distributed is None:
-        from .load.loader import launcher_world_size
-
-        distributed = (launcher_world_size() or 1) > 1
-    if distributed and workers not in (None, 1):
-        raise click.UsageError("--workers is for a write on one machine; in a torchrun write every rank writes its "
-                               "share (for more writers per node, raise --nproc-per-node).")
     manifest = write_checkpoint(src, out, mesh, mode=mode, revision=revision, overwrite=overwrite,
                                 max_shard_size=max_shard_size, progress=False if quiet else None,
-                                workers=1 if distributed else workers, distributed=distributed,
-                                dequantize=dequantize)
+                                workers=workers, distributed=distributed, dequantize=dequantize,
+                                drop_unloaded=drop_unloaded)
     if manifest is None:
         return  # another rank of a distributed write: rank 0 prints the summary
     total = sum(f["bytes"] for f in manifest["files"])
     empty = sum(c["empty_markers"] for c in manifest["coords"])
     dequantized = sum("dequantized_from" in t for t in manifest["tensors"].values())
+    extras = sum(len(f["keys"]) for f in manifest.get("extras") or ())
+    from .read.dcp_source import dcp_kind
+
+    kind = dcp_kind(src)  # a reshard folder's files were checked against its CRC-32s; a saved folder has none
     if as_json:
         click.echo(json.dumps({"out": out, "files": len(manifest["files"]), "bytes": total,
                                "tensors": len(manifest["tensors"]), "dequantized_tensors": dequantized,
-                               "empty_markers": empty,
+                               "empty_markers": empty, "source_crc32_checked": kind == "reshard",
+                               "extras": extras,
                                "layout": manifest["layout"], "mesh": manifest["mesh"],
                                "distributed_config": manifest["distributed_config"]}, indent=2))
         return
     click.echo(f"wrote {out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, {len(manifest['tensors'])} "
                f"tensors" + (f" ({dequantized} dequantized to bf16)" if dequantized else "")
-               + f", {empty} explicit empty marker(s); load with "
-               f"{plan_mesh_repr(manifest)} or reshard.from_pretrained({out!r}).")
+               + f", {empty} explicit empty marker(s)"
+               + (f"; {extras} tensor(s) the model does not load kept in extra-*.safetensors." if extras else "."))
+    if kind == "saved":
+        click.echo(_UNCHECKED_SAVED)
+    # A folder in the distributed-checkpoint layout is no `--against` source: verify checks the output on its own.
+    against = None if kind else src
+    click.echo("next:\n  " + _verify_line(out, against, revision)
+               + f"\n  load: reshard.from_pretrained({out!r}) on every rank of the job ({plan_mesh_repr(manifest)})")
+
+
+def _verify_line(out, against, revision=None) -> str:
+    """The `reshard verify` command that checks what a command just wrote, ready to paste."""
+    words = ["reshard", "verify", out] + (["--against", against] if against else [])
+    return " ".join(map(shlex.quote, map(str, words + (["--revision", revision] if revision and against else []))))
+
+
+_UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
+                    "CRC-32: its bytes were copied as they are, not checked.")
 
 
 def plan_mesh_repr(manifest: dict) -> str:
@@ -253,9 +291,10 @@ def plan_mesh_repr(manifest: dict) -> str:
     return MeshSpec(**manifest["mesh"]).distributed_config_repr()
 
 
-@cli.command(name="verify")
+@cli.command(name="verify", short_help="Check OUT's files and coverage; with --against SRC, every byte.")
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
-@click.option("--against", "against", default=None, help="The source checkpoint: compare every byte with it.")
+@click.option("--against", "against", metavar="SRC", default=None,
+              help="The source checkpoint: compare every byte with it.")
 @revision_option
 @click.option("--no-checksums", is_flag=True, help="Skip recomputing each file's CRC-32 (faster, less thorough).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
@@ -294,10 +333,10 @@ def verify_command(out, against, revision, no_checksums, quiet, as_json):
                   if summary["dequantized_tensors"] else "") + ".")
 
 
-@cli.command()
+@cli.command(short_help="Run the whole job on a tiny generated model (nothing downloaded).")
 @click.option("--ranks", type=click.IntRange(min=2, max=16), default=4, show_default=True,
               help="CPU processes for the multi-rank load (the mesh is --fsdp RANKS).")
-@click.option("--keep", type=click.Path(file_okay=False), default=None,
+@click.option("--keep", type=click.Path(file_okay=False), metavar="DIR", default=None,
               help="Keep the generated checkpoint, the output and the rank reports in this folder.")
 def demo(ranks, keep):
     """Run the whole job on a tiny generated checkpoint: plan, write, a multi-rank CPU load, verify.
@@ -305,28 +344,45 @@ def demo(ranks, keep):
     The checkpoint (a 2-layer Qwen3-MoE with RANKS/2 experts) leaves ranks empty under stock transformers;
     the demo shows the plan, writes per-rank files, loads them on RANKS gloo processes with
     reshard.from_pretrained, checks every tensor against a single-process load, and verifies the folder.
-    Nothing is downloaded. Takes about a minute on 2 cores.
+    Nothing is downloaded.
     """
     from .demo import run_demo
 
     run_demo(ranks=ranks, keep=keep, echo=click.echo)
 
 
-def _parse_ranks(text: str) -> list[int]:
-    ranks: set[int] = set()
+class RankSpans(tuple):
+    """`--ranks` as typed: inclusive `(first, last)` spans, expanded only once bounded by the mesh (`expand`): a
+    span like 0-99999999999 must never become a list first."""
+
+    def expand(self, world: int) -> list[int]:
+        """The ranks, sorted and distinct.
+
+        Raises:
+            UsageError: a rank is outside a mesh of `world` ranks (nothing is expanded then).
+        """
+        top = max(last for _, last in self)
+        if top >= world:
+            raise UsageError(f"--ranks names rank {top}, but the folder's mesh has {world} ranks (0-{world - 1}); "
+                             "pass ranks of that mesh. Nothing was listed.")
+        return sorted({r for first, last in self for r in range(first, last + 1)})
+
+
+def _parse_ranks(text: str) -> RankSpans:
+    spans = []
     for part in text.split(","):
         first, _, last = part.strip().partition("-")
         if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
             raise click.BadParameter(f"{text!r} is not a rank list like 0-7 or 0,8,16-23.")
-        ranks.update(range(int(first), int(last or first) + 1))
-    return sorted(ranks)
+        spans.append((int(first), int(last or first)))
+    return RankSpans(spans)
 
 
 class RanksType(ParsedType):
-    name, parse, parsed = "ranks", staticmethod(_parse_ranks), list
+    name, parse, parsed = "ranks", staticmethod(_parse_ranks), RankSpans
 
 
-@cli.command(name="files")
+@cli.command(name="files", short_help="List the files RANKS need to load OUT (node-local copies).")
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 @click.option("--ranks", type=RanksType(), required=True,
               help="Global ranks, e.g. 0-7 (one node of 8 GPUs) or 0,8,16-23.")
@@ -346,6 +402,7 @@ def files_command(out, ranks, as_json):
     from .manifest import read_manifest
 
     manifest = read_manifest(out)
+    ranks = ranks.expand(manifest.mesh.world_size)  # bounded by the mesh before any span is expanded
     names = manifest.files_for_ranks(ranks)
     if as_json:
         coords = sorted({manifest.mesh.shard_index(r) for r in ranks})
@@ -356,21 +413,23 @@ def files_command(out, ranks, as_json):
         click.echo("\n".join(names))
 
 
-@cli.command(name="merge")
+@cli.command(name="merge", short_help="Merge distributed SRC back into DEST, a standard HF checkpoint.")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))
 @click.option("--max-shard-size", type=SizeType(), default="5GB", show_default=True,
               help="Files of at most this size (5GB, 500MiB, bytes), as save_pretrained writes them.")
 @click.option("--layout", "layout", type=click.Choice(["original", "fused"]), default="original", show_default=True,
-              help="original: the source checkpoint's on-disk keys and shapes (per-expert keys split back out of the "
-                   "fused tensors; for a saved folder, what transformers' save_pretrained writes); fused: the "
+              help="original: the source's on-disk keys and shapes (per-expert keys split back out); fused: the "
                    "model's in-memory names.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace DEST if it exists (swapped in only once complete): only an empty folder, a merge output "
-                   "or a reshard output.")
+              help="Replace DEST if it exists (swapped in once complete): an empty folder, a merge or reshard "
+                   "output only.")
+@click.option("--extras-from", "extras_from", metavar="FOLDER", default=None,
+              help="For a saved SRC: the folder training started from, whose unloaded tensors (MTP layers) DEST "
+                   "gets back.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
-def merge_command(src, dest, max_shard_size, layout, overwrite, quiet, as_json):
+def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, quiet, as_json):
     """Merge SRC, a distributed checkpoint, into DEST, a standard Hugging Face checkpoint.
 
     SRC is a reshard folder (`reshard write`) or a folder saved by transformers'
@@ -389,10 +448,38 @@ def merge_command(src, dest, max_shard_size, layout, overwrite, quiet, as_json):
     from .write.merge import merge_checkpoint
 
     summary = merge_checkpoint(src, dest, max_shard_size=max_shard_size, layout=layout, overwrite=overwrite,
-                               progress=False if quiet else None)
+                               progress=False if quiet else None, extras_from=extras_from)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
     click.echo(f"merged {src} into {dest}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "
-               f"{summary['tensors']} tensors in the {layout} layout; load with "
-               f"AutoModelForCausalLM.from_pretrained({dest!r}).")
+               f"{summary['tensors']} tensors in the {layout} layout"
+               + (f", {summary['extras']} of them the model does not load (MTP layers, ...)." if summary["extras"]
+                  else "."))
+    if summary["left_out"]:
+        click.echo(f"left out: {summary['left_out']}.")
+    if not summary["source_crc32_checked"]:
+        click.echo(_UNCHECKED_SAVED)
+    click.echo(f"next:\n  {_verify_line(dest, src)}\n  load: AutoModelForCausalLM.from_pretrained({dest!r}), "
+               f"or publish it: hf upload ORG/NAME {shlex.quote(str(dest))}")
+
+
+@cli.command(name="env", short_help="Versions, loader-patch hooks, launcher variables: for a bug report.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as a JSON document (reshard_env_version 1).")
+def env_command(as_json):
+    """Print what a bug report needs: the versions of reshard, Python, torch (and its CUDA), transformers,
+    safetensors, huggingface_hub and accelerate; whether each transformers function the loader patch hooks is
+    present with the parameters it expects; whether the versions are inside the tested matrix; and the launcher
+    variables this process sees (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...).
+
+    Exit 0 even when something is outside the tested matrix: the report says so.
+
+    \b
+    Example:
+      reshard env            # paste the lines into the issue
+      reshard env --json
+    """
+    from .env import environment_report, format_report
+
+    report = environment_report()
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))

@@ -99,7 +99,8 @@ def _report(echo, plan, manifest, per_rank, ranks, elapsed) -> None:
     total = sum(f["bytes"] for f in manifest["files"])
     echo("\nreport")
     if empty:
-        echo(f"  stock transformers on this mesh: rank(s) {', '.join(map(str, empty))} get no expert rows; loading the "
+        echo(f"  stock transformers on this mesh: {'rank' if len(empty) == 1 else 'ranks'} {', '.join(map(str, empty))} "
+             "get no expert rows; loading the "
              "original checkpoint there fails in weight conversion (torch.stack of nothing) on CPU, and on CUDA the "
              "empty ranks run weight init alone and hang in DTensor's RNG broadcast.")
     else:

@@ -58,3 +58,16 @@ class VerifyError(ReshardError):
 
 class LoadError(ReshardError, RuntimeError):
     """A rank could not load its shard; raised on every rank, naming the failing one."""
+
+
+class ManifestError(VerifyError, LoadError):
+    """`reshard.json` (or a header or file it names) is not what a reshard folder can hold: a key missing or of the
+    wrong type, a value out of range, a file name outside the folder, a file that is not a regular file, a header
+    that disagrees with it. Raised before any byte it describes is used; nothing is changed.
+
+    Both a `VerifyError` (what `verify` reports) and a `LoadError` (what a load raises), so each caller's existing
+    `except` holds; the multi-rank load still gathers it into one agreed `LoadError` on every rank.
+
+    Attributes:
+        problems: one line per problem found, each naming the key and its value.
+    """

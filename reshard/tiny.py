@@ -69,6 +69,20 @@ def make_tiny_checkpoint(model_type: str, path: str | Path, *, experts: int | No
     return path
 
 
+def add_tensors(folder: str | Path, tensors: dict) -> Path:
+    """Add `tensors` (key -> torch tensor) to the single-file checkpoint in `folder`: what a release carries beside
+    the weights the model loads (MTP layers, ...), which `save_pretrained` never writes."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    state = load_file(path)
+    clash = sorted(set(state) & set(tensors))
+    if clash:
+        raise ValueError(f"{path}: already holds {clash[:3]}")
+    save_file({**state, **{k: v.contiguous() for k, v in tensors.items()}}, path, metadata={"format": "pt"})
+    return Path(folder)
+
+
 E4M3_MAX = 448.0
 
 

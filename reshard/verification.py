@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .read.checkpoint import DTYPE_BITS, read_header
 from .errors import MeshError, ReshardError, UsageError, VerifyError
-from .manifest import MANIFEST_NAME, coverage_problems, header_problems, read_manifest
+from .manifest import MANIFEST_NAME, coverage_problems, header_problems, member_problem, open_member, read_manifest
 from .write.shards import COPY_BUFFER_BYTES
 from .runs.byte_runs import chunk_runs
 
@@ -42,8 +42,13 @@ def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = Non
         The summary of `check_folder`, whose `problems` are empty.
 
     Raises:
+        ManifestError: `reshard.json` is unsound (a `VerifyError` too), naming the key and the value.
         VerifyError: listing every problem found, one per line.
     """
+    from .write.merge import is_merged_folder
+
+    if not is_merged_folder(folder):
+        read_manifest(folder)  # an unsound manifest raises its own ManifestError (a VerifyError) before any read
     summary = check_folder(folder, against=against, revision=revision, checksums=checksums, progress=progress)
     if summary["problems"]:
         raise VerifyError(summary["problems"])
@@ -84,10 +89,10 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
     tensors = data["tensors"]
     from tqdm.auto import tqdm
 
-    total = sum(entry["bytes"] for entry in data["files"]) if checksums else 0
+    total = sum(entry.bytes for entry in manifest.files) if checksums else 0
     if against is not None:
         total += sum(math.prod(c.shape) * DTYPE_BITS.get(tensors[c.name]["dtype"], 0) // 8
-                     for entry in data["files"] for c in manifest.chunks(entry))
+                     for entry in manifest.files for c in manifest.chunks(entry))
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
                disable=None if progress is None else not progress)
     try:
@@ -95,7 +100,7 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
     finally:
         bar.close()
     problems = corrupt + problems
-    return {**summary, "ok": not problems, "files": len(data["files"]), "tensors": len(tensors),
+    return {**summary, "ok": not problems, "files": len(manifest.files), "tensors": len(tensors),
             "empty_markers": markers, "bytes_compared": compared, "dequantized_tensors": dequantized,
             "problems": problems}
 
@@ -103,7 +108,7 @@ def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None
 def _crc32(path: Path, buffer: bytearray, bar) -> str:
     """The file's CRC-32 as the manifest records it (8 hex digits), advancing `bar` as the bytes pass."""
     crc, view = 0, memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    with open_member(path.parent, path.name) as f:
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
             bar.update(n)
@@ -123,22 +128,25 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequa
     headers = {}
     markers = 0
     problems += coverage_problems(data)
-    for entry in data["files"]:
-        path = folder / entry["name"]
+    for entry in manifest.files:
+        path = folder / entry.name
         if not path.exists():
-            problems.append(f"{entry['name']}: missing (rank(s) {data['coords'][entry['coord']]['ranks']} read it)")
+            problems.append(f"{entry.name}: missing (rank(s) {list(manifest.coords[entry.coord].ranks)} read it)")
             continue
-        if path.stat().st_size != entry["bytes"]:
-            problems.append(f"{entry['name']}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
+        if problem := member_problem(folder, entry.name):  # a FIFO or a device: refused before a byte is read
+            problems.append(problem)
             continue
-        if checksums and _crc32(path, buffer, bar) != entry["crc32"]:
-            corrupt.append(f"{entry['name']}: CRC-32 differs from the manifest (the file is corrupt)")
+        if path.stat().st_size != entry.bytes:
+            problems.append(f"{entry.name}: {path.stat().st_size} bytes, manifest says {entry.bytes}")
+            continue
+        if checksums and _crc32(path, buffer, bar) != entry.crc32:
+            corrupt.append(f"{entry.name}: CRC-32 differs from the manifest (the file is corrupt)")
         try:
             header = read_header(path)
         except ReshardError as e:
             problems.append(str(e))
             continue
-        headers[entry["name"]] = header
+        headers[entry.name] = header
         expected = manifest.chunks(entry)
         mismatches = header_problems(entry, expected, header)
         problems += mismatches
@@ -148,11 +156,44 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequa
             if chunk.is_empty:
                 markers += 1
             else:
-                chunks[chunk.name].append((entry["coord"], tuple(zip(chunk.offsets, chunk.shape)), entry["name"]))
+                chunks[chunk.name].append((entry.coord, tuple(zip(chunk.offsets, chunk.shape)), entry.name))
+    _check_extras(folder, data, checksums, buffer, bar, problems, corrupt, headers, chunks)
     compared = 0
     if against is not None and not problems:
         compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized)
     return compared, markers
+
+
+def _check_extras(folder, data, checksums, buffer, bar, problems, corrupt, headers, chunks) -> None:
+    """The manifest's extras files (tensors the model does not load, whole under their on-disk keys): each present,
+    of its size and CRC-32, holding exactly its keys. Each tensor joins `chunks` whole (coordinate -1: no rank reads
+    it), so `--against` compares its bytes like every chunk's."""
+    for entry in data.get("extras") or ():
+        name, keys = entry["name"], entry["keys"]
+        path = folder / name
+        if not path.exists():
+            problems.append(f"{name}: missing (it holds {len(keys)} tensor(s) the model does not load, e.g. {keys[0]})")
+            continue
+        if problem := member_problem(folder, name):
+            problems.append(problem)
+            continue
+        if path.stat().st_size != entry["bytes"]:
+            problems.append(f"{name}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
+            continue
+        if checksums and _crc32(path, buffer, bar) != entry["crc32"]:
+            corrupt.append(f"{name}: CRC-32 differs from the manifest (the file is corrupt)")
+        try:
+            header = read_header(path)
+        except ReshardError as e:
+            problems.append(str(e))
+            continue
+        found = {t.name: t for t in header.tensors}
+        if sorted(found) != sorted(keys):
+            problems.append(f"{name}: header holds {sorted(set(found) ^ set(keys))[:3]} differently from the manifest")
+            continue
+        headers[name] = header
+        for key in keys:
+            chunks[key] = [(-1, tuple((0, n) for n in found[key].shape), name)]
 
 
 def _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized) -> int:
@@ -163,7 +204,8 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
     from .api import read_source
 
     index = read_source(against, revision=revision, need_data=True)
-    layout = find_experts(index).by_name()
+    source_layout = find_experts(index)
+    layout = {**source_layout.by_name(), **{t.name: t for t in source_layout.extras}}  # extras: under their keys
     dequantizer = None
     if index.quantization is not None:
         from .runs.dequant import Dequantizer, check_decodable
@@ -283,7 +325,21 @@ def _source_view(against, revision):
         layout = find_experts(index)
         original = {p.source for t in layout.tensors for p in t.pieces}
         tied = set(_tied_from_record({t.name: [(p.source,) for p in t.pieces] for t in layout.tensors}))
-    return index, layout, original, {t.name for t in layout.tensors} - tied
+    extras = {t.name for t in layout.extras}  # written back under their own keys in either layout
+    return (index, layout, None if original is None else original | extras,
+            ({t.name for t in layout.tensors} - tied) | extras)
+
+
+def _merged_extras_from(dest) -> str | None:
+    """The `--extras-from` source a merged folder's index records (`metadata.extras_from`), or None."""
+    import json
+
+    from .read.checkpoint import INDEX_NAME
+
+    try:
+        return json.loads((dest.root / INDEX_NAME).read_text())["metadata"].get("extras_from")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _compare_merged(dest, against, revision, progress, problems) -> int:
@@ -292,6 +348,14 @@ def _compare_merged(dest, against, revision, progress, problems) -> int:
     from .read.experts import find_experts
 
     src_index, src_layout, original_keys, fused_keys = _source_view(against, revision)
+    sources = [(t, src_index) for t in (*src_layout.tensors, *src_layout.extras)]
+    extras_from = _merged_extras_from(dest)
+    if extras_from is not None and not src_layout.extras:  # a trained folder merged with `--extras-from`
+        extras_index, extras_layout, _, _ = _source_view(extras_from, None)
+        names = {t.name for t in extras_layout.extras}
+        original_keys = None if original_keys is None else original_keys | names
+        fused_keys |= names
+        sources += [(t, extras_index) for t in extras_layout.extras]
     keys = set(dest.tensors)
     if keys != original_keys and keys != fused_keys:
         expected = original_keys if original_keys is not None else fused_keys
@@ -299,11 +363,12 @@ def _compare_merged(dest, against, revision, progress, problems) -> int:
                         f"{sorted(expected - keys)[:3]}, extra {sorted(keys - expected)[:3]}")
         return 0
     try:
-        dest_layout = find_experts(dest).by_name()
+        found = find_experts(dest)
     except ReshardError as e:
         problems.append(f"{dest.source}: {e}")
         return 0
-    total = sum(t.numel * DTYPE_BITS[t.dtype] // 8 for t in src_layout.tensors)
+    dest_layout = {**found.by_name(), **{t.name: t for t in found.extras}}
+    total = sum(t.numel * DTYPE_BITS[t.dtype] // 8 for t, _ in sources)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
                disable=None if progress is None else not progress)
     fds: dict[tuple[str, str], int] = {}
@@ -315,7 +380,7 @@ def _compare_merged(dest, against, revision, progress, problems) -> int:
 
     compared = 0
     try:
-        for src in src_layout.tensors:
+        for src, src_index in sources:
             mine = dest_layout.get(src.name)
             if mine is None or mine.shape != src.shape or mine.dtype != src.dtype:
                 problems.append(f"{src.name}: {'missing' if mine is None else f'{mine.dtype} {list(mine.shape)}'}, "

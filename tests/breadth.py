@@ -1,4 +1,4 @@
-"""The breadth matrix: every MoE model type transformers 5.23 ships, as a tiny checkpoint, through reshard.
+"""The breadth matrix: every MoE model type the installed transformers ships, as a tiny checkpoint, through reshard.
 
 Used by `tests/test_breadth.py` and `scripts/support_table.py` (a plain module, not a test file).
 
@@ -20,7 +20,8 @@ Used by `tests/test_breadth.py` and `scripts/support_table.py` (a plain module, 
 - `check_case()` runs one (model type, layout): plan, write at two meshes (the uneven one in the balanced and the
   stock layout), verify against the source, load whole in one process and compare with transformers' own load;
   then merge each uneven folder back and write the balanced one again at the even mesh (`check_round_trip`).
-  It returns a `CaseResult`; `support_table()` renders the results as the Markdown table README.md carries.
+  It returns a `CaseResult`; `support_table()` renders the results as the Markdown table the docs carry, one per
+  tested transformers version (its first line names the version it was generated with).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ TINY: dict[str, dict] = {
     "hy_v4": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["dense", "sparse"],
                   layer_types=["indexed_attention", "indexed_attention"], indexer_types=["full", "shared"], hc_mult=2,
                   **{**_MLA, "q_lora_rank": 32}, **_INDEXER, **_MOE),
+    # transformers 5.24: Inkling 2 with a looped middle (layer 1 runs twice; its message gates are dense)
+    "inkling2_loop_text": dict(n_routed_experts=_E, num_experts_per_tok=2, swa_num_attention_heads=4,
+                               swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
+                               unpadded_vocab_size=512, layer_types=["hybrid_sliding", "hybrid"],
+                               n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2,
+                               loop_num_passes=2, loop_gate_rank=8, **_MOE),
     "inkling2_text": dict(n_routed_experts=_E, num_experts_per_tok=2, swa_num_attention_heads=4,
                           swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, unpadded_vocab_size=512,
                           layer_types=["hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=1, **_MOE),
@@ -140,6 +147,8 @@ TINY: dict[str, dict] = {
                      layer_types=["sliding_attention", "full_attention"], sliding_window=8, **_MOE),
     "laguna": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48, layer_types=_TWO,
                    num_attention_heads_per_layer=[4, 4], mlp_layer_types=["dense", "sparse"], **_MOE),
+    "lara_mini": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,  # transformers 5.24
+                      layer_types=["linear_attention", "full_attention"], sliding_window=8, **_LINEAR, **_MOE),
     "lfm2_moe": dict(num_experts=_E, num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"],
                      **_MOE),
     "llama4_text": dict(num_local_experts=_E, num_experts_per_tok=1, intermediate_size=24, intermediate_size_mlp=96,
@@ -176,6 +185,10 @@ TINY: dict[str, dict] = {
                            heads_per_ngram=2, ngram_vocab_size_base=512,
                            indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=2, **_LINEAR, **_MOE),
+    "sarvam_mla": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,  # transformers 5.24
+                       first_k_dense_replace=1, **_MLA, **_MOE),
+    "sarvam_moe": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,  # transformers 5.24
+                       first_k_dense_replace=1, **_MOE),
     "solar_open": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1, **_MOE),
     "zaya": dict(num_experts=_E, num_experts_per_tok=1, layer_types=["hybrid", "hybrid"], router_hidden_size=16,
                  **_MOE),
@@ -189,6 +202,13 @@ def _quiet():
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+
+
+def known_model_types() -> frozenset[str]:
+    """The model types the installed transformers has a config for (`TINY` also holds newer releases' types)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return frozenset(CONFIG_MAPPING_NAMES)
 
 
 def tiny_config(model_type: str):
@@ -354,6 +374,39 @@ def generate(model_type: str, path: str | Path, *, fused: bool, seed: int = 0, *
     return path
 
 
+def _pattern_stem(pattern: str) -> str:
+    """The literal text a `_keys_to_ignore_on_load_unexpected` regex starts with: `model\\.layers\\.61.*` ->
+    `model.layers.61` (anchors, `(^|\\.)` and optional groups dropped)."""
+    text = pattern.replace("(^|\\.)", "")
+    text = re.sub(r"\([^)]*\)\?", "", text)
+    return text.replace(".*", "").replace("\\.", ".").strip("^$.")
+
+
+def unloaded_keys(model_type: str) -> dict[str, str]:
+    """On-disk keys `model_type`'s class ignores on load (issue 23: MTP layers), two per pattern of its
+    `_keys_to_ignore_on_load_unexpected`: a matrix and a norm of an MTP-like layer. Key -> the pattern it matches."""
+    patterns = getattr(causal_class(model_type), "_keys_to_ignore_on_load_unexpected", None)
+    out = {}
+    for pattern in sorted(patterns) if isinstance(patterns, (list, tuple, set)) else ():
+        for leaf in ("eh_proj.weight", "enorm.weight"):
+            key = f"{_pattern_stem(pattern)}.{leaf}"
+            assert re.search(pattern, key), f"{model_type}: {key} does not match {pattern!r}"
+            out[key] = pattern
+    return out
+
+
+def add_unloaded(model_type: str, folder: Path) -> Path:
+    """Add `unloaded_keys(model_type)` to a generated checkpoint (F32 matrices, BF16 norms: dtypes kept apart)."""
+    import torch
+
+    from reshard.tiny import add_tensors
+
+    generator = torch.Generator().manual_seed(23)
+    tensors = {key: torch.randn((8, 16) if key.endswith("eh_proj.weight") else (16,), generator=generator)
+               for key in unloaded_keys(model_type)}
+    return add_tensors(folder, {k: v.bfloat16() if k.endswith("enorm.weight") else v for k, v in tensors.items()})
+
+
 def saved_keys(folder: Path) -> set[str]:
     from reshard.read.checkpoint import read_checkpoint
 
@@ -362,7 +415,7 @@ def saved_keys(folder: Path) -> set[str]:
 
 def layouts_differ(model_type: str, original: Path) -> bool:
     """Whether `save_original_format=False` would write other keys than the original-format save did."""
-    return saved_keys(original) != set(meta_model(model_type).state_dict())
+    return saved_keys(original) - set(unloaded_keys(model_type)) != set(meta_model(model_type).state_dict())
 
 
 def expert_count(layout) -> int:
@@ -481,6 +534,12 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
                 raise AssertionError("write_checkpoint wrote a checkpoint in which plan_checkpoint found no experts")
             return result
         result.steps.append("plan")
+        # exactly the keys the model class ignores on load are kept as extras (none where it ignores none)
+        from reshard.read.checkpoint import read_checkpoint
+
+        extras = {t.name for t in plan.layout.extras}
+        assert extras == set(unloaded_keys(model_type)) & set(read_checkpoint(src).tensors), \
+            f"extras found: {sorted(extras)[:4]}, class-ignored keys: {sorted(unloaded_keys(model_type))[:4]}"
         result.experts, result.expert_names = _expert_summary(plan.layout)
         result.expert_parallel = plan.layout.expert_parallel
         # exactly the EP plan's expert parameters are experts; routers, shared experts and biases are not
@@ -580,7 +639,10 @@ def check_round_trip(src: Path, folder: Path, work: Path, second_mesh, reference
         verify(work / "merged", against=src)
         merge_checkpoint(work / "second", work / "merged", progress=False, overwrite=True, layout="fused")
         fused = _saved_tensors(work / "merged")
-        _assert_same_tensors(fused, {k: v for k, v in reference.items() if k in fused}, "fused merge")
+        unloaded = {k: source[k] for k in set(fused) - set(reference) if k in source}  # extras: their own keys
+        _assert_same_tensors({k: v for k, v in fused.items() if k not in unloaded},
+                             {k: v for k, v in reference.items() if k in fused}, "fused merge")
+        _assert_same_tensors({k: fused[k] for k in unloaded}, unloaded, "fused merge's extras")
         for name in set(reference) - set(fused):  # only tied copies are left out, their bytes stored once
             assert any(torch.equal(reference[name], t) for t in fused.values()), f"fused merge: {name} is missing"
     shutil.rmtree(work, ignore_errors=True)
@@ -605,10 +667,12 @@ class Matrix:
         if key not in self.sources:
             original = self.root / model_type / "original"
             if (model_type, "original") not in self.sources:
-                self.sources[(model_type, "original")] = generate(model_type, original, fused=False)
+                self.sources[(model_type, "original")] = add_unloaded(model_type, generate(model_type, original,
+                                                                                           fused=False))
             if layout == "fused":
                 differ = layouts_differ(model_type, original)
-                self.sources[key] = generate(model_type, self.root / model_type / "fused", fused=True) \
+                self.sources[key] = add_unloaded(model_type, generate(model_type, self.root / model_type / "fused",
+                                                                      fused=True)) \
                     if differ else None
         return self.sources[key]
 
@@ -651,7 +715,8 @@ _RESULT = {"pass": "yes", "unsupported": "unsupported", "fail": "FAIL"}
 
 def support_table(matrix: Matrix) -> str:
     """The Markdown support table from the matrix's results: every discovered type, skipped ones included."""
-    lines = ["| model type | layouts tested | experts found per layer | result | reason if unsupported |",
+    lines = [version_line(), "",
+             "| model type | layouts tested | experts found per layer | result | reason if unsupported |",
              "|---|---|---|---|---|"]
     for cand in discover():
         if cand.skip is not None or cand.missing_tiny:
@@ -684,8 +749,37 @@ TABLE_START = "<!-- support-table:start -->"
 TABLE_END = "<!-- support-table:end -->"
 
 
-def readme_table(readme: str | Path) -> str | None:
-    text = Path(readme).read_text()
-    if TABLE_START not in text or TABLE_END not in text:
-        return None
-    return text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
+_VERSION_LINE = re.compile(r"Generated with transformers (\S+) by ")
+
+
+def version_line() -> str:
+    """The table's first line: which model types exist, and how each converts, depends on the transformers release."""
+    import transformers
+
+    return f"Generated with transformers {transformers.__version__} by `python scripts/support_table.py`."
+
+
+@dataclass(frozen=True)
+class DocTable:
+    """One support table found in a Markdown file, between the markers."""
+
+    path: Path
+    version: str | None  # the transformers version its first line names; None: the line is missing
+    text: str
+
+
+def document_tables(paths) -> list[DocTable]:
+    """Every support-table block in `paths` (README.md and docs/*.md), in file order."""
+    found = []
+    for path in paths:
+        for chunk in Path(path).read_text().split(TABLE_START)[1:]:
+            text = chunk.split(TABLE_END, 1)[0].strip()
+            match = _VERSION_LINE.match(text)
+            found.append(DocTable(Path(path), match.group(1) if match else None, text))
+    return found
+
+
+def table_for_version(paths, version: str) -> str | None:
+    """The text of the one support table in `paths` generated with transformers `version` (None: there is none)."""
+    tables = [t for t in document_tables(paths) if t.version == version]
+    return tables[0].text if len(tables) == 1 else None

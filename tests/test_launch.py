@@ -144,6 +144,9 @@ def test_a_pre_load_fault_stops_every_rank_with_the_same_error(tiny, tmp_path, f
     assert len(errors) == 1, errors  # the same agreed error on every rank, not one rank's own exception
     (error,) = errors
     assert error.startswith("LoadError: ") and expected in error, error
+    # the process group reshard created from the launcher's environment is destroyed on the error path: left to
+    # finalization, gloo's threads could abort the process after the error ("terminate called without ...")
+    assert not any(report.get("group_left_up", True) for report in reports), reports
     if fault == "manifest-missing-on-one-rank":
         assert "reshard.json" in error and "rank 0" not in error
 

@@ -293,12 +293,70 @@ def test_patch_is_idempotent_and_undoes_itself():
     assert after == before
 
 
-def test_patch_refuses_other_transformers_versions(monkeypatch):
-    import transformers
+def test_patch_refuses_when_a_hook_vanishes(monkeypatch):
+    import transformers.modeling_utils as mu
 
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
-    with pytest.raises(reshard.ReshardError, match="5.23"):
+    from reshard.load.patch import is_patched
+
+    reshard.unpatch_transformers()
+    monkeypatch.delattr(mu, "_dtensor_from_local_like")
+    with pytest.raises(reshard.ReshardError) as refused:
         reshard.patch_transformers()
+    message = str(refused.value)
+    assert "transformers.modeling_utils._dtensor_from_local_like (called): it is missing" in message
+    assert "transformers>=5.23,<5.25" in message and "Nothing was patched" in message
+    assert not is_patched()
+
+
+def test_patch_refuses_when_a_signature_changes(monkeypatch):
+    import transformers.distributed.mixin as mixin
+
+    from reshard.load.patch import is_patched
+
+    def changed(model, checkpoint_path, strict=True):  # `checkpoint_dir` renamed
+        return None
+
+    reshard.unpatch_transformers()
+    monkeypatch.setattr(mixin, "_load_model_checkpoint_distributed", changed)
+    with pytest.raises(reshard.ReshardError) as refused:
+        reshard.patch_transformers()
+    message = str(refused.value)
+    assert ("transformers.distributed.mixin._load_model_checkpoint_distributed (wrapped): reshard expects parameters "
+            "(model, checkpoint_dir, strict), found (model, checkpoint_path, strict)") in message
+    assert "transformers>=5.23,<5.25" in message
+    assert not is_patched()
+
+
+def test_patch_warns_once_outside_the_tested_range_and_installs(monkeypatch):
+    import warnings
+
+    import transformers
+    import transformers.distributed.fsdp as fsdp
+
+    from reshard.load import hooks
+
+    reshard.unpatch_transformers()
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    monkeypatch.setattr(hooks, "_warned", set())
+    before = fsdp.fully_shard
+    with pytest.warns(UserWarning, match=r"tested with transformers>=5.23,<5.25; transformers 5.99.0 is installed"):
+        with reshard.patch_transformers():
+            assert fsdp.fully_shard is not before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second install says nothing again
+        with reshard.patch_transformers():
+            pass
+    assert fsdp.fully_shard is before
+
+
+def test_every_hook_is_intact_in_the_installed_transformers():
+    from reshard.load.hooks import HOOKS, check_hooks, in_tested_range, transformers_version
+
+    statuses = check_hooks()
+    assert [s.hook for s in statuses] == list(HOOKS) and len(HOOKS) >= 15
+    assert [s.hook.qualified for s in statuses if not s.ok] == []
+    assert in_tested_range(transformers_version())
+    assert not in_tested_range("5.25.0") and not in_tested_range("4.57.1") and in_tested_range("5.24.0.dev0")
 
 
 def test_from_pretrained_removes_the_patch_it_installed_but_keeps_the_users(tiny, tmp_path):

@@ -4,7 +4,9 @@ Two torchrun launches for both models (Qwen3-MoE at fsdp 4 x ep 2, DeepSeek-V3 a
 on dim 1 by the balanced layout): 4 ranks `reshard.from_pretrained`, one SGD step, and
 `save_pretrained(tmp, distributed_checkpoint=True)`, rank 0 keeping the trained `full_tensor()`s; then in this
 process `reshard merge tmp DEST` and a plain single-process `from_pretrained(DEST)` equal to them; then
-`reshard write tmp OUT2 --fsdp 5` loaded on 5 ranks, again equal.
+`reshard write tmp OUT2 --fsdp 5` loaded on 5 ranks, again equal. The DeepSeek-V3 source carries an MTP layer
+(`model.layers.61.*`, which its class does not load): the trained folder lacks it, and `merge --extras-from` the
+reshard folder the training started from gives it back (issue 23).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from reshard.plan.mesh import MeshSpec
 from reshard.verification import check_folder
 
 from conftest import rank_reports, run_ranks
+from test_extras import mtp_tensors
 
 MODELS = [  # name, tiny() arguments, training mesh
     ("qwen3", dict(model_type="qwen3_moe", experts=4), MeshSpec(fsdp=4, ep=2)),
@@ -43,6 +46,12 @@ def test_train_save_merge_and_resume_on_another_mesh(tiny, tmp_path):
     train_args, cases = [], []
     for name, kwargs, mesh in MODELS:
         src = tiny(kwargs.pop("model_type"), **kwargs)
+        if name == "deepseek":
+            import shutil
+
+            from reshard.tiny import add_tensors
+
+            src = add_tensors(shutil.copytree(src, tmp_path / f"{name}-mtp"), mtp_tensors())
         folder, saved, trained = tmp_path / f"{name}-{mesh.fsdp}", tmp_path / f"{name}-saved", \
             tmp_path / f"{name}-trained.safetensors"
         write_checkpoint(src, folder, mesh, progress=False)
@@ -63,12 +72,22 @@ def test_train_save_merge_and_resume_on_another_mesh(tiny, tmp_path):
         keys = set(json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"])
         source_keys = set(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]) \
             if (src / "model.safetensors.index.json").exists() else set(load_file(src / "model.safetensors"))
-        assert keys == source_keys
+        assert keys == source_keys - set(mtp_tensors())  # the MTP layer is not in the trained folder
         loaded = AutoModelForCausalLM.from_pretrained(dest).state_dict()  # plain transformers, one process
         assert loaded.keys() == trained.keys()
         for key, tensor in trained.items():
             assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
         assert check_folder(dest, against=saved)["ok"]
+        if name == "deepseek":  # the MTP layer back from the reshard folder the training started from
+            with_mtp = tmp_path / f"{name}-published-mtp"
+            result = CliRunner().invoke(cli, ["merge", str(saved), str(with_mtp), "-q", "--extras-from",
+                                              str(tmp_path / f"{name}-{MODELS[1][2].fsdp}")])
+            assert result.exit_code == 0, result.output
+            merged = {k: v for f in sorted(with_mtp.glob("*.safetensors")) for k, v in load_file(f).items()}
+            assert set(merged) == keys | set(mtp_tensors()) and keys & set(mtp_tensors()) == set()
+            for key, tensor in mtp_tensors().items():
+                assert merged[key].dtype == tensor.dtype and torch.equal(merged[key], tensor), key
+            assert check_folder(with_mtp, against=saved)["ok"]
         out2 = tmp_path / f"{name}-fsdp5"
         result = CliRunner().invoke(cli, ["write", str(saved), str(out2), "--fsdp", "5", "-q"])
         assert result.exit_code == 0, result.output

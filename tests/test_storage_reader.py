@@ -119,8 +119,11 @@ def test_a_flipped_byte_or_a_file_unlike_the_manifest_is_a_load_error(folders, r
     victim.write_bytes(bytes(data[:-8]))
     with pytest.raises(CheckpointException, match="has .* bytes, the manifest says"):
         dcp.load(state, storage_reader=reshard.StorageReader(out))
-    with pytest.raises(LoadError, match="no manifest"):
-        reshard.StorageReader(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "reshard.json").write_text("{not json")  # there but unreadable: never read as a plain folder
+    with pytest.raises(LoadError):
+        reshard.StorageReader(broken)
 
 
 def test_torch_consolidates_a_reshard_folder_into_the_source_tensors(folders, reference, tmp_path):
@@ -185,8 +188,12 @@ def test_shard_placement_fn_names_the_balanced_dims(folders):
             self.a = torch.nn.Parameter(torch.empty(4, 4))
             self.b = torch.nn.Parameter(torch.empty(4, 4))
 
-    data = {"format": "reshard", "version": 2, "mesh": MeshSpec(fsdp=4).to_dict(), "order": ["a", "b"], "files": [],
-            "coords": [], "copied": [],
+    files = [{"name": f"f{c}.safetensors", "coord": c, "first": 0, "count": 2, "bytes": 64, "crc32": "00000000",
+              "empty_markers": 0} for c in range(4)]  # a sound manifest (validated on construction) of no real files
+    data = {"format": "reshard", "version": 2, "mesh": MeshSpec(fsdp=4).to_dict(), "order": ["a", "b"],
+            "files": files, "copied": [], "source": {"source": "x", "model_type": None, "architecture": None},
+            "coords": [{"coord": c, "ranks": [c], "files": [f"f{c}.safetensors"], "empty_markers": 0}
+                       for c in range(4)],
             "tensors": {n: {"shape": [4, 4], "dtype": "F32", "role": "dense", "is_param": True,
                             "placement": {"kind": "dense", "shard_dim": d, "degree": 4, "ep": 1}}
                         for n, d in (("a", 0), ("b", 1))}}
@@ -196,3 +203,81 @@ def test_shard_placement_fn_names_the_balanced_dims(folders):
     assert named(model.a) is None and named(model.b) == Shard(1)
     with pytest.raises(LoadError, match="pass the model"):
         reshard.shard_placement_fn(manifest)(model.a)
+
+
+# ---- a drop-in for torch's HuggingFaceStorageReader --------------------------------------------------------------
+# The scenarios of torch's own HF storage tests (test_hf_storage.py, test_hf_safetensor_e2e.py), run here against
+# reshard's reader: torch's constructor (`path=`, `thread_count`), plain folders without reshard.json.
+
+class _Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear_1 = torch.nn.Linear(5, 5)
+        self.linear_2 = torch.nn.Linear(5, 1)
+        self.emb = torch.nn.EmbeddingBag(5, 10)
+
+
+def _plain_folder(tmp_path, how):
+    """A folder without reshard.json: one safetensors file, or torch's own DCP-safetensors save."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    torch.manual_seed(3)
+    saved = _Small().state_dict()
+    folder = tmp_path / how
+    folder.mkdir()
+    if how == "save_file":
+        save_file(saved, str(folder / "model-00001-of-00001.safetensors"))
+    else:
+        dcp.save(saved, storage_writer=HuggingFaceStorageWriter(path=str(folder)))
+    return folder, saved
+
+
+@pytest.mark.parametrize("how", ["save_file", "dcp_save"])
+def test_torch_constructor_and_a_plain_folder_load_like_torchs_reader(tmp_path, how):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    folder, saved = _plain_folder(tmp_path, how)
+    for reader in (reshard.StorageReader(path=str(folder)), reshard.StorageReader(str(folder), thread_count=2),
+                   reshard.StorageReader(folder, 3)):
+        assert reader.manifest is None and reader.thread_count in (1, 2, 3)
+        state = {k: torch.full_like(v, float("nan")) for k, v in saved.items()}
+        dcp.load(state, storage_reader=reader)
+        assert sorted(state) == sorted(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
+    ours, theirs = reshard.StorageReader(folder).read_metadata(), HuggingFaceStorageReader(str(folder)).read_metadata()
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+
+
+def test_a_plain_folder_loads_into_an_empty_dict(tmp_path):
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    folder, saved = _plain_folder(tmp_path, "save_file")
+    loaded = _load_state_dict_from_keys(storage_reader=reshard.StorageReader(path=str(folder)))
+    assert sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_thread_count_reads_a_reshard_folder_exactly_and_checks_every_file(folders, reference):
+    import torch.distributed.checkpoint as dcp
+
+    for layout in ("balanced", "stock"):
+        state = {k: torch.full_like(v, float("nan")) for k, v in reference.items()}
+        reader = reshard.StorageReader(folders[layout], thread_count=3)
+        assert reader.thread_count == 3
+        dcp.load(state, storage_reader=reader)
+        assert all(torch.equal(state[k], v) for k, v in reference.items()), layout
+        assert sorted(reader.checked_files) == sorted(f["name"] for f in reader.manifest.files)
+
+
+@pytest.mark.multirank
+def test_torchs_dtensor_reshard_scenarios_load_with_reshards_reader(tmp_path):
+    """1-D and 2-D meshes, every placement change, mesh changes both ways and an empty shard (4 gloo ranks): each
+    tensor saved by torch's writer loads through reshard's reader equal to the saved one, as through torch's."""
+    run_ranks("hf_storage_scenarios.py", 4, tmp_path, timeout=240)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for report in reports:
+        assert "error" not in report, report.get("traceback", report)
+        results = report["results"]
+        assert len(results) == 2 * (2 + 12 + 8 + 8 + 1)
+        assert {k: v for k, v in results.items() if v != "equal"} == {}, report["rank"]

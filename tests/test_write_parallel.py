@@ -308,6 +308,14 @@ def test_torchrun_write(references, tiny, tmp_path):
     fp8 = quantize_checkpoint(tiny("qwen3_moe", experts=2), tmp_path / "fp8", method="fp8", block=(32, 32))
     write_checkpoint(fp8, tmp_path / "fp8-one-process", MeshSpec(fsdp=4), dequantize="bf16", progress=False)
     cases.append({"argv": ["write", str(fp8), str(outs / "fp8"), "--fsdp", "4", "--dequantize", "bf16", "-q"]})
+    # a reshard folder with one flipped data byte: the ranks reading that file refuse it, so every rank fails
+    damaged = tmp_path / "damaged"
+    write_checkpoint(tiny("qwen3_moe", experts=2), damaged, MeshSpec(fsdp=2), progress=False)
+    victim = damaged / "shard-00001-model-00001-of-00001.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    cases.append({"argv": ["write", str(damaged), str(outs / "from-damaged"), "--fsdp", "4", "-q"]})
     report_dir = tmp_path / "reports"
     result = torchrun(ranks, str(WRITE_CLI), str(write_cases(tmp_path / "cases.json", cases)), str(report_dir),
                       timeout=300)
@@ -320,8 +328,8 @@ def test_torchrun_write(references, tiny, tmp_path):
         assert beside(outs / case_id) == []
         assert [len(g["bars"]) for g in got] == [1, 0, 0, 0], "only rank 0 may show a progress bar"
 
-    exists, overwrite, enospc, lost, dequantized = (reports(report_dir, i, ranks)
-                                                    for i in range(len(CASES), len(cases)))
+    exists, overwrite, enospc, lost, dequantized, restamped = (reports(report_dir, i, ranks)
+                                                               for i in range(len(CASES), len(cases)))
     assert [g["exit"] for g in exists] == [1] * ranks
     assert all("already exists" in g["stderr"] and "--overwrite" in g["stderr"] for g in exists)
     assert [g["exit"] for g in overwrite] == [0] * ranks, [g["stderr"] for g in overwrite]
@@ -342,6 +350,11 @@ def test_torchrun_write(references, tiny, tmp_path):
     assert [g["exit"] for g in dequantized] == [0] * ranks, [g["stderr"] for g in dequantized]
     assert_identical(outs / "fp8", tmp_path / "fp8-one-process")
     assert "quantization_config" not in json.loads((outs / "fp8" / "config.json").read_text())
+
+    assert [g["exit"] for g in restamped] == [1] * ranks, [g["stderr"] for g in restamped]
+    for g in restamped:  # damage is never re-stamped: the damaged file named, nothing kept
+        assert "failed while writing" in g["stderr"] and victim.name in g["stderr"] and "CRC-32" in g["stderr"]
+    assert_nothing_left(outs / "from-damaged")
 
 
 def test_torchrun_write_with_a_killed_rank(tiny, tmp_path):

@@ -9,10 +9,12 @@ would kill them).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import LoadError, ReshardError, VerifyError
-from ..manifest import MANIFEST_NAME, Manifest, coverage_problems, file_crc32, header_problems, read_manifest
+from ..manifest import (MANIFEST_NAME, Manifest, coverage_problems, file_crc32, header_problems, member_problem,
+                        read_manifest)
 from ..read.checkpoint import read_header, torch_dtype
 from .local_read import gather, raise_if_any
 from .patch import (active_manifest, install, patch_transformers,  # noqa: F401  (re-exported)
@@ -74,25 +76,24 @@ def _model_class(manifest: Manifest, model_class):
 
 
 def _check_own_files(manifest: Manifest, rank: int) -> str | None:
-    """Check the files this rank reads exist, are readable, with the size and a valid header; a problem or None.
+    """Check the files this rank reads exist, are regular files and readable, with the size and a header that
+    holds what the manifest says (names, dtypes, shapes, offsets); a problem or None.
 
     Their CRC-32 is checked while they are read (`local_read`), not here: that would read them twice.
     """
-    sizes = {f["name"]: f["bytes"] for f in manifest.files}
     for name in manifest.files_of_rank(rank):
-        path = manifest.path / name
+        entry, path = manifest.file_entry(name), manifest.path / name
+        if problem := member_problem(manifest.path, name):  # opens it: an unreadable one (permissions) fails here
+            return problem
+        size = path.stat().st_size
+        if size != entry.bytes:
+            return f"{name} has {size} bytes, the manifest says {entry.bytes}"
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except OSError as e:
-            return f"{name} cannot be read ({e.strerror or e})"
-        if size != sizes[name]:
-            return f"{name} has {size} bytes, the manifest says {sizes[name]}"
-        try:
-            read_header(path)  # opens the file: an unreadable one (permissions) fails here
-        except ReshardError as e:
+            problems = header_problems(entry, manifest.chunks(entry), read_header(path))
+        except (ReshardError, OSError) as e:
             return str(e)
+        if problems:
+            return "; ".join(problems)
     return None
 
 
@@ -197,18 +198,54 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
     """
     folder = Path(folder)
     installed_here = install()
+    had_group = _group_exists()
     try:
         if not in_distributed_job():
             manifest = read_manifest(folder)
             return _load_whole(folder, manifest, _model_class(manifest, model_class),
                                check_checksums=check_checksums, **kwargs)
-        manifest, distributed_config = agree_to_load(folder, distributed_config)
-        with active_manifest(manifest.data, checksums=check_checksums):
-            return _model_class(manifest, model_class).from_pretrained(
-                folder, distributed_config=distributed_config, **kwargs)
+        with _group_owned(created=not had_group):
+            manifest, distributed_config = agree_to_load(folder, distributed_config)
+            with active_manifest(manifest.data, checksums=check_checksums):
+                return _model_class(manifest, model_class).from_pretrained(
+                    folder, distributed_config=distributed_config, **kwargs)
     finally:
         if installed_here:
             uninstall_unless_user()
+
+
+def _group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _group_owned(*, created: bool):
+    """Around a distributed load: a default process group this call `created` (from the launcher's environment) is
+    destroyed on every path. A failed load destroys it at once (every rank raises the agreed `LoadError` together);
+    a successful one leaves it to the model, destroyed at interpreter exit. Left to finalization, gloo's threads can
+    abort the process after the error was printed ("terminate called without an active exception", exit -6: 2 of
+    14 torchrun runs)."""
+    if not created:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        destroy_own_group()
+        raise
+    import atexit
+
+    atexit.register(destroy_own_group)
+
+
+def destroy_own_group() -> None:
+    """Destroy the default process group if one is still up (idempotent: atexit may call it after a failure did)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = True) -> dict:
@@ -228,16 +265,17 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
     except VerifyError as e:
         raise LoadError("; ".join(e.problems)) from e
     problems = coverage_problems(manifest.data)
-    expected = {f["name"]: f["crc32"] for f in manifest.files}
     for entry in manifest.files:
-        path = manifest.path / entry["name"]
+        path = manifest.path / entry.name
+        if problem := member_problem(manifest.path, entry.name):  # a FIFO or a device is never read
+            problems.append(problem)
+            continue
         try:
-            if check_checksums and (crc := file_crc32(path)) != expected[entry["name"]]:
-                problems.append(f"{entry['name']} is corrupt (CRC-32 {crc}, the manifest says "
-                                f"{expected[entry['name']]})")
+            if check_checksums and (crc := file_crc32(path)) != entry.crc32:
+                problems.append(f"{entry.name} is corrupt (CRC-32 {crc}, the manifest says {entry.crc32})")
             problems += header_problems(entry, manifest.chunks(entry), read_header(path))
         except OSError as e:
-            problems.append(f"{entry['name']} cannot be read ({e.strerror or e})")
+            problems.append(f"{entry.name} cannot be read ({e.strerror or e})")
         except ReshardError as e:  # a header that does not parse
             problems.append(str(e))
     if problems:
@@ -251,7 +289,7 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
         out[name] = torch.empty(info["shape"], dtype=dtype)
     replicated_done = set()  # every coordinate holds a copy: read one
     for entry in manifest.files:
-        with safe_open(manifest.path / entry["name"], framework="pt") as f:
+        with safe_open(manifest.path / entry.name, framework="pt") as f:
             for chunk in manifest.chunks(entry):
                 if chunk.is_empty or chunk.name in replicated_done:
                     continue

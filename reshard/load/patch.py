@@ -1,4 +1,4 @@
-"""What reshard adds to transformers 5.23's distributed loading. Explicit and idempotent; nothing on import.
+"""What reshard adds to transformers' distributed loading (tested with 5.23 and 5.24). Explicit and idempotent; nothing on import.
 
 1. Balanced placement: while a reshard folder with a balanced layout loads, FSDP2's `fully_shard` gets a
    `shard_placement_fn` that shards each expert parameter on the dim the manifest names, so a rank's local
@@ -12,21 +12,20 @@
    `reshard.StorageReader` (each rank reads its own files into its local tensors, CRC-32 checked as they pass),
    and skips building the weight-conversion mapping, which that path never uses.
 
-All hooks are private transformers API, so the supported version is pinned and checked.
+All hooks are private transformers API: before installing, `hooks.require_hooks` checks that each name the patch
+wraps, replaces or calls is there with the parameters it expects (refusing when one is missing or changed, warning
+once outside the tested range).
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import json
 import os
 import threading
 from contextlib import contextmanager
 
 from ..errors import ReshardError
-
-SUPPORTED_TRANSFORMERS = "5.23."
 
 # The manifest of the reshard folder being loaded, set around `from_pretrained`.
 _active_manifest: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reshard_manifest", default=None)
@@ -42,16 +41,6 @@ _dcp_path: contextvars.ContextVar[bool] = contextvars.ContextVar("reshard_dcp_pa
 _lock = threading.Lock()
 _originals: dict[tuple[object, str], object] = {}
 _user_installed = False  # patch_transformers() was called: reshard.from_pretrained leaves the hooks in place
-
-
-def _check_version():
-    import transformers
-
-    if not transformers.__version__.startswith(SUPPORTED_TRANSFORMERS):
-        raise ReshardError(
-            f"reshard's loader patch supports transformers {SUPPORTED_TRANSFORMERS}x (it hooks private functions); "
-            f"transformers {transformers.__version__} is installed. Install `transformers>=5.23,<5.24`."
-        )
 
 
 def _set(owner, name: str, value) -> None:
@@ -73,7 +62,8 @@ def patch_transformers() -> "_Unpatch":
     agrees with the others before loading.
 
     Raises:
-        ReshardError: the installed transformers is not the 5.23 series.
+        ReshardError: a transformers function the patch hooks is missing or has changed its parameters (each is
+            named, with the tested range).
 
     Example:
         >>> with reshard.patch_transformers():  # doctest: +SKIP
@@ -87,7 +77,9 @@ def patch_transformers() -> "_Unpatch":
 
 def install() -> bool:
     """Install the hooks (idempotent); True when this call installed them. `patch_transformers` is the public way."""
-    _check_version()
+    from .hooks import require_hooks
+
+    require_hooks()
     with _lock:
         if _originals:
             return False
@@ -308,7 +300,7 @@ def _wrap_from_pretrained(original):
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
         from pathlib import Path
 
-        from ..manifest import MANIFEST_NAME
+        from ..manifest import MANIFEST_NAME, read_manifest
 
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
         manifest = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
@@ -316,8 +308,7 @@ def _wrap_from_pretrained(original):
         if manifest is None and folder is not None and direct and _multi_rank() and _is_candidate(folder):
             manifest, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"))
         if manifest is None and folder is not None and (folder / MANIFEST_NAME).is_file():
-            with open(folder / MANIFEST_NAME) as f:
-                manifest = json.load(f)
+            manifest = read_manifest(folder).data  # validated, version included (ManifestError, a LoadError)
         if manifest is None:
             token = _dcp_path.set(False)  # a checkpoint loaded inside a reshard load is an ordinary one
             try:

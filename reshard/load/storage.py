@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header, torch_dtype
-from ..errors import LoadError, ReshardError, VerifyError
+from ..errors import LoadError, ReshardError
 from .local_read import _BackgroundCrc, _fill, _read_tensor, _Staging
-from ..manifest import Manifest, header_problems, placement_of, read_manifest
+from ..manifest import MANIFEST_NAME, Manifest, header_problems, open_member, placement_of, read_manifest
 from ..runs.byte_runs import row_major_strides
 
 import torch
@@ -46,15 +46,13 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader  # `import res
 def _manifest_of(out) -> Manifest:
     if isinstance(out, Manifest):
         return out
-    try:
-        return read_manifest(out)
-    except VerifyError as e:
-        raise LoadError("; ".join(e.problems)) from e
+    return read_manifest(out)  # its ManifestError is a LoadError
 
 
 def _open(path: Path):
-    """The one place files are opened for reading data (tests wrap it to audit every byte read)."""
-    return open(path, "rb", buffering=0)
+    """The one place files are opened for reading data (tests wrap it to audit every byte read): only a regular
+    file, and the open never blocks on a FIFO (`open_member`)."""
+    return open_member(path.parent, path.name)
 
 
 class _KindChunks:
@@ -107,7 +105,8 @@ class _ChunkFiles(Mapping):
 
 
 class StorageReader(HuggingFaceStorageReader):
-    """A `torch.distributed.checkpoint` storage reader for a folder written by `reshard write`.
+    """A `torch.distributed.checkpoint` storage reader for a folder written by `reshard write`, and a drop-in for
+    torch's `HuggingFaceStorageReader` (same constructor) on any other DCP-safetensors folder.
 
     Works with `dcp.load` on any model whose state dict has the folder's tensor names: on the fast path (the
     model's placements are the folder's: `reshard.shard_placement_fn` for a hand-built FSDP2 model, or the
@@ -115,25 +114,37 @@ class StorageReader(HuggingFaceStorageReader):
     other placements, a world size the folder was not written for, or a single process, DCP reshards and this
     reader reads the byte ranges it asks for (correct, not the fast path; no CRC, see the module docstring).
 
+    A folder without `reshard.json` (saved by `save_pretrained(..., distributed_checkpoint=True)` or torch's
+    `HuggingFaceStorageWriter`) is read exactly as torch's reader reads it: metadata from the headers, no CRC.
+
     Args:
-        out: the folder (or a parsed `Manifest`).
-        check_checksums: check each file's CRC-32 whenever a rank reads all of it.
+        path: the folder (or a parsed `Manifest`).
+        thread_count: files read at once by each rank, as in torch's reader.
+        check_checksums: check each file's CRC-32 whenever a rank reads all of it (reshard folders).
 
     Attributes:
         checked_files: files whose CRC-32 was checked by this reader's reads, in read order.
         unchecked_files: files read in part (not checkable against the manifest's whole-file CRC).
 
     Raises:
-        LoadError: from `read_metadata`, the manifest is missing or unreadable; from `read_data` (on every rank,
+        LoadError: from the constructor, `reshard.json` is there but unreadable; from `read_data` (on every rank,
             through DCP's gathered exception), a file is missing, truncated, corrupt or does not match the manifest.
 
     Example:
         >>> dcp.load(model.state_dict(), storage_reader=reshard.StorageReader(out))  # doctest: +SKIP
     """
 
-    def __init__(self, out: str | os.PathLike | Manifest, *, check_checksums: bool = True):
-        manifest = _manifest_of(out)
-        super().__init__(str(manifest.path))
+    def __init__(self, path: str | os.PathLike | Manifest, thread_count: int = 1, *, check_checksums: bool = True):
+        if not isinstance(path, Manifest) and not (Path(os.fspath(path)) / MANIFEST_NAME).exists():
+            # Not a reshard folder (a save_pretrained distributed checkpoint, torch's own DCP-safetensors output):
+            # read it as torch's reader does, metadata from the headers. Its files carry no CRC to check.
+            super().__init__(os.fspath(path), thread_count)
+            self.manifest = None
+            self.check_checksums = False
+            self.checked_files, self.unchecked_files = [], []
+            return
+        manifest = _manifest_of(path)
+        super().__init__(str(manifest.path), thread_count)
         self.manifest = manifest
         self.check_checksums = check_checksums
         self.checked_files: list[str] = []
@@ -159,6 +170,8 @@ class StorageReader(HuggingFaceStorageReader):
 
     def read_metadata(self):
         """DCP `Metadata` for every tensor of the folder, from `reshard.json` alone (no file is opened)."""
+        if self.manifest is None:
+            return super().read_metadata()
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorProperties, \
             TensorStorageMetadata
 
@@ -176,7 +189,8 @@ class StorageReader(HuggingFaceStorageReader):
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._own = self._own_coord()
+        if self.manifest is not None:
+            self._own = self._own_coord()
 
     def _own_coord(self) -> int | None:
         """This rank's coordinate when the job is the mesh the folder was written for (global ranks), else None."""
@@ -199,24 +213,64 @@ class StorageReader(HuggingFaceStorageReader):
     # ---- data --------------------------------------------------------------------------------------------------
 
     def read_data(self, plan, planner):
-        """Read the plan's items, file by file, each byte range once; see the class docstring."""
+        """Read the plan's items, file by file, each byte range once; see the class docstring. With
+        `thread_count` > 1, that many files are read at once (each thread with its own staging buffer)."""
         from torch.futures import Future
 
+        if self.manifest is None:
+            return super().read_data(plan, planner)
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self._file_of(item.storage_index.fqn, tuple(item.storage_index.offset)),
                                 []).append(item)
-        staging = _Staging()
-        for name in sorted(per_file):
-            try:
-                self._read_file(name, per_file[name], planner, staging)
-            except ReshardError:
-                raise
-            except OSError as e:
-                raise LoadError(f"{name} cannot be read ({e.strerror or e})") from e
+        names = sorted(per_file)
+        threads = min(max(int(self.thread_count), 1), len(names))
+        if threads <= 1:
+            staging = _Staging()
+            for name in names:
+                self._read_checked(name, per_file[name], planner, staging)
+        else:
+            self._read_in_threads(names, per_file, planner, threads)
         future = Future()
         future.set_result(None)
         return future
+
+    def _read_in_threads(self, names: list[str], per_file: dict, planner, threads: int) -> None:
+        import queue
+        import threading
+
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for name in names:
+            todo.put(name)
+        failures: list[BaseException] = []
+
+        def work():
+            staging = _Staging()
+            while not failures:
+                try:
+                    name = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    self._read_checked(name, per_file[name], planner, staging)
+                except BaseException as e:  # re-raised on the calling thread, first failure first
+                    failures.append(e)
+
+        pool = [threading.Thread(target=work, name=f"reshard-read-{i}", daemon=True) for i in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+        if failures:
+            raise failures[0]
+
+    def _read_checked(self, name: str, items: list, planner, staging: _Staging) -> None:
+        try:
+            self._read_file(name, items, planner, staging)
+        except ReshardError:
+            raise
+        except OSError as e:
+            raise LoadError(f"{name} cannot be read ({e.strerror or e})") from e
 
     def _header(self, fh, name: str, entry: dict) -> tuple[FileHeader, bytes]:
         size = os.fstat(fh.fileno()).st_size

@@ -78,6 +78,11 @@ class ModelLayout:
         tensors: the state-dict entries in model order.
         ignored_sources: on-disk keys the model does not use (e.g. MTP layers transformers drops).
         expert_parallel: whether transformers has an EP plan for the experts (else only ep = 1 is possible).
+        extras: the tensors of `ignored_sources`, each whole under its on-disk key (one piece, the key itself, or a
+            chunk of an extras file of a reshard folder): what `write` keeps in files no rank loads and `merge`
+            writes back (`reshard.write.shards.write_extras`).
+        ignore_patterns: the model class's `_keys_to_ignore_on_load_unexpected` (regexes transformers matches with
+            `re.search`): which extras transformers drops on purpose (MTP layers) rather than as unexpected keys.
     """
 
     model_type: str
@@ -85,6 +90,8 @@ class ModelLayout:
     tensors: tuple[TargetTensor, ...]
     ignored_sources: tuple[str, ...] = ()
     expert_parallel: bool = True
+    extras: tuple[TargetTensor, ...] = ()
+    ignore_patterns: tuple[str, ...] = ()
 
     @property
     def experts(self) -> tuple[TargetTensor, ...]:
@@ -94,21 +101,34 @@ class ModelLayout:
         return {t.name: t for t in self.tensors}
 
 
+def whole_tensor(key: str, shape: tuple[int, ...], dtype: str, source: str | None = None) -> TargetTensor:
+    """An on-disk tensor kept as it is, under its own key (an extra): one piece covering it, from `source`."""
+    return TargetTensor(key, tuple(shape), dtype, Role.DENSE, False, (Piece(source or key, (0,) * len(shape)),))
+
+
+def _tensors_to_list(tensors) -> list:
+    return [[t.name, list(t.shape), t.dtype, t.role.value, t.is_param,
+             [[p.source, list(p.offset), p.stacked_dim] for p in t.pieces]] for t in tensors]
+
+
+def _tensors_from_list(rows) -> tuple[TargetTensor, ...]:
+    return tuple(TargetTensor(name, tuple(shape), dtype, Role(role), is_param,
+                              tuple(Piece(source, tuple(offset), stacked) for source, offset, stacked in pieces))
+                 for name, shape, dtype, role, is_param, pieces in rows)
+
+
 def layout_to_dict(layout: ModelLayout) -> dict:
     """Plain JSON-able form of a layout (for the layout cache)."""
     return {
         "model_type": layout.model_type, "architecture": layout.architecture,
         "ignored_sources": list(layout.ignored_sources), "expert_parallel": layout.expert_parallel,
-        "tensors": [[t.name, list(t.shape), t.dtype, t.role.value, t.is_param,
-                     [[p.source, list(p.offset), p.stacked_dim] for p in t.pieces]] for t in layout.tensors],
+        "tensors": _tensors_to_list(layout.tensors), "extras": _tensors_to_list(layout.extras),
+        "ignore_patterns": list(layout.ignore_patterns),
     }
 
 
 def layout_from_dict(data: dict) -> ModelLayout:
     """Inverse of `layout_to_dict`."""
-    tensors = tuple(
-        TargetTensor(name, tuple(shape), dtype, Role(role), is_param,
-                     tuple(Piece(source, tuple(offset), stacked) for source, offset, stacked in pieces))
-        for name, shape, dtype, role, is_param, pieces in data["tensors"])
-    return ModelLayout(data["model_type"], data["architecture"], tensors, tuple(data["ignored_sources"]),
-                       data["expert_parallel"])
+    return ModelLayout(data["model_type"], data["architecture"], _tensors_from_list(data["tensors"]),
+                       tuple(data["ignored_sources"]), data["expert_parallel"], _tensors_from_list(data["extras"]),
+                       tuple(data["ignore_patterns"]))

@@ -142,6 +142,8 @@ class ReshardPlan:
         mode: stock or balanced.
         tensors: one `TensorPlan` per state-dict tensor, in model order.
         quantization: the source's `reshard.read.quant.Quantization` when the layout is its bf16 view, else None.
+        extras: the on-disk tensors the model does not load that `write` keeps, whole, in files no rank loads
+            (`layout.extras`, or none with `drop_unloaded`).
     """
 
     mesh: MeshSpec
@@ -149,6 +151,7 @@ class ReshardPlan:
     mode: LayoutMode
     tensors: tuple[TensorPlan, ...]
     quantization: object = None
+    extras: tuple[TargetTensor, ...] = ()
 
 
 def _stock_placement(tensor: TargetTensor, mesh: MeshSpec) -> Placement:
@@ -172,7 +175,7 @@ def _planned_placement(stock: Placement, tensor: TargetTensor, mode: LayoutMode)
 
 
 def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
-              quantization=None) -> ReshardPlan:
+              quantization=None, drop_unloaded: bool = False) -> ReshardPlan:
     """Plan every tensor of `layout` on `mesh`.
 
     Args:
@@ -180,6 +183,7 @@ def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = L
         mesh: the target mesh.
         mode: `balanced` (default) or `stock`.
         quantization: the source's quantization, when `layout` is of its bf16 view (reported, not planned on).
+        drop_unloaded: leave out the tensors the model does not load (`layout.extras`); by default they are kept.
 
     Returns:
         A frozen `ReshardPlan`.
@@ -206,7 +210,7 @@ def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = L
     for tensor in layout.tensors:
         stock = _stock_placement(tensor, mesh)
         plans.append(TensorPlan(tensor, stock, _planned_placement(stock, tensor, mode)))
-    return ReshardPlan(mesh, layout, mode, tuple(plans), quantization)
+    return ReshardPlan(mesh, layout, mode, tuple(plans), quantization, () if drop_unloaded else layout.extras)
 
 
 # ---- summaries for humans and --json ---------------------------------------------------------------------------
@@ -251,13 +255,25 @@ def _rows(plan: TensorPlan, mesh: MeshSpec, stock: bool) -> tuple[int, ...]:
     return tuple(box[placement.shard_dim][1] for box in plan.boxes(mesh, stock=stock))
 
 
+def expert_bytes_per_rank(plan: ReshardPlan) -> tuple[list[int], list[int]]:
+    """Routed-expert bytes each fsdp coordinate holds: (stock transformers', the plan's)."""
+    stock_bytes = [0] * plan.mesh.num_shard_groups
+    planned_bytes = [0] * plan.mesh.num_shard_groups
+    for tp in plan.tensors:
+        if tp.tensor.role is Role.EXPERT:
+            for f, box in enumerate(tp.boxes(plan.mesh, stock=True)):
+                stock_bytes[f] += _nbytes(box, tp.tensor.dtype)
+            for f, box in enumerate(tp.boxes(plan.mesh)):
+                planned_bytes[f] += _nbytes(box, tp.tensor.dtype)
+    return stock_bytes, planned_bytes
+
+
 def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
     """Group tensors into families and compute the stock-vs-planned figures `reshard plan` prints."""
     mesh = plan.mesh
     families: dict[tuple, FamilySummary] = {}
     counts: dict[tuple, int] = {}
-    stock_bytes = [0] * mesh.num_shard_groups
-    planned_bytes = [0] * mesh.num_shard_groups
+    stock_bytes, planned_bytes = expert_bytes_per_rank(plan)
     empty = {"stock_tensors": 0, "planned_tensors": 0, "stock_ranks": set(), "planned_ranks": set(),
              "stock_expert_tensors": 0, "planned_expert_tensors": 0}
     for tp in plan.tensors:
@@ -268,11 +284,6 @@ def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
             families[key] = FamilySummary(key[0], t.role, 0, t.shape, t.dtype, tp.stock, tp.planned,
                                           _rows(tp, mesh, True), _rows(tp, mesh, False))
         fam = families[key]
-        if t.role is Role.EXPERT:
-            for f, box in enumerate(tp.boxes(mesh, stock=True)):
-                stock_bytes[f] += _nbytes(box, t.dtype)
-            for f, box in enumerate(tp.boxes(mesh)):
-                planned_bytes[f] += _nbytes(box, t.dtype)
         for side in ("stock", "planned"):
             ranks = fam.stock_empty if side == "stock" else fam.planned_empty
             if ranks:

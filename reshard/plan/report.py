@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 from .layout import Role
-from .placement import FamilySummary, Kind, ReshardPlan, summarize
+from .placement import FamilySummary, Kind, ReshardPlan, expert_bytes_per_rank, summarize
 
 PLAN_JSON_VERSION = 1
 
@@ -48,9 +50,46 @@ def plan_to_dict(plan: ReshardPlan, source: str) -> dict:
         "layout": plan.mode.value,
         "families": [_family_dict(f) for f in families],
         "ignored_sources": list(plan.layout.ignored_sources),
+        **({"extras": extras_summary(plan)} if plan.layout.extras else {}),
         "summary": stats,
         **({"quantization": quantization_summary(plan)} if plan.quantization is not None else {}),
     }
+
+
+def extras_summary(plan: ReshardPlan) -> dict:
+    """The on-disk tensors the model does not load (MTP layers, unexpected keys) and what `write` does with them."""
+    extras, patterns = plan.layout.extras, plan.layout.ignore_patterns
+    by_class = [t.name for t in extras if any(re.search(p, t.name) for p in patterns)]
+    return {
+        "tensors": len(extras),
+        "bytes": sum(_bytes(t) for t in extras),  # as written: bf16 where a quantized pair is dequantized
+        "examples": [t.name for t in extras[:3]],
+        "ignored_by_class": len(by_class),  # matched by the class's `_keys_to_ignore_on_load_unexpected`
+        "ignore_patterns": list(patterns),
+        "unexpected": len(extras) - len(by_class),  # map to no parameter or buffer of the model
+        "write": "kept" if plan.extras else "dropped",
+        # quantized pairs among them, dequantized like every other weight in a dequantizing write
+        "dequantized": sum(plan.quantization.computes(t) for t in extras) if plan.quantization is not None else 0,
+    }
+
+
+def _extras_lines(plan: ReshardPlan) -> list[str]:
+    e = extras_summary(plan)
+    why = []
+    if e["ignored_by_class"]:
+        why.append(f"{e['ignored_by_class']} dropped on purpose (MTP layers...) by {plan.layout.architecture}"
+                   f"._keys_to_ignore_on_load_unexpected: {', '.join(e['ignore_patterns'])}")
+    if e["unexpected"]:
+        why.append(f"{e['unexpected']} map to no parameter or buffer of the model (unexpected keys)")
+    if e["dequantized"]:
+        why.append(f"{e['dequantized']} are quantized pairs: written dequantized to bf16, like the model's weights")
+    if e["write"] == "kept":
+        action = ("write: keeps them whole under their own keys in extra-*.safetensors (no rank loads them; CRC-32s "
+                  "in reshard.json)\n  merge writes them back; --drop-unloaded leaves them out")
+    else:
+        action = "write: leaves them out (--drop-unloaded); a merge of the output will not hold them"
+    return [f"tensors the model does not load: {e['tensors']} ({_human_bytes(e['bytes'])})",
+            f"  e.g. {', '.join(e['examples'])}", *(f"  {w}" for w in why), f"  {action}"]
 
 
 def quantization_summary(plan: ReshardPlan) -> dict:
@@ -109,7 +148,7 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
             continue
         lines.append(f"  {f.pattern}  {list(f.shape)} {f.dtype}  x{f.count}")
         lines.append(f"    stock    {f.stock.describe():{width}s}  {_rank_map(f.stock_rows, False)}"
-                     + (f"  empty on {len(f.stock_empty)} rank(s)" if f.stock_empty else ""))
+                     + (f"  empty on {_count(len(f.stock_empty), 'rank')}" if f.stock_empty else ""))
         choice = "same as stock" if f.planned == f.stock else f"split dim {f.planned.shard_dim} (divides evenly)"
         if f.planned == f.stock and f.stock_empty:
             choice = "no dim divides evenly: explicit empty markers"
@@ -131,26 +170,76 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
                   "computed, the rest copied as it is)",
                   "  write: `reshard write SRC OUT ... --dequantize bf16` computes each chunk from just the source "
                   "rows and scales it needs (bounded memory) and writes a config.json without quantization_config"]
-    ignored = plan.layout.ignored_sources
-    if ignored:
-        lines += ["", f"ignored on-disk keys (the model does not use them): {len(ignored)}, e.g. {ignored[0]}"]
+    if plan.layout.extras:
+        lines += ["", *_extras_lines(plan)]
     lines += [
         "",
-        f"summary: stock transformers leaves {stats['stock_empty_tensors']} tensor(s) empty "
-        f"({stats['stock_empty_expert_tensors']} routed-expert) on {len(stats['stock_empty_ranks'])} rank(s) "
-        f"{_ranks(stats['stock_empty_ranks'])}; reshard's layout: {stats['planned_empty_tensors']} "
-        f"({stats['planned_empty_expert_tensors']} routed-expert) on {len(stats['planned_empty_ranks'])} rank(s), "
-        "each an explicit empty marker.",
+        f"summary: stock transformers leaves {_count(stats['stock_empty_tensors'], 'tensor')} empty "
+        f"({stats['stock_empty_expert_tensors']} routed-expert) {_on_ranks(stats['stock_empty_ranks'])};",
+        f"         reshard's layout: {stats['planned_empty_tensors']} ({stats['planned_empty_expert_tensors']} routed-expert) "
+        f"{_on_ranks(stats['planned_empty_ranks'])}, each an explicit empty marker.",
         f"expert bytes per rank, max/mean: stock {_human_bytes(stats['stock_expert_bytes_max'])} / "
         f"{_human_bytes(stats['stock_expert_bytes_mean'])} = {stats['stock_expert_max_over_mean']:.2f}; planned "
         f"{_human_bytes(stats['planned_expert_bytes_max'])} / {_human_bytes(stats['planned_expert_bytes_mean'])} = "
         f"{stats['planned_expert_max_over_mean']:.2f}",
+        "",
+        *expert_bars(*expert_bytes_per_rank(plan)),
     ]
     return "\n".join(lines)
 
 
-def _ranks(ranks: list[int]) -> str:
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _spans(ranks: list[int], limit: int = 16) -> str:
+    """`0-47`, `2,5,7-9`: runs of consecutive ranks; past `limit` runs, `,...`."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    return text + (",..." if len(runs) > limit else "")
+
+
+def _on_ranks(ranks: list[int]) -> str:
+    """`on no rank`, `on rank 2`, `on 8 ranks (56-63)`."""
     if not ranks:
-        return ""
-    shown = ",".join(map(str, ranks[:16])) + (",..." if len(ranks) > 16 else "")
-    return f"({shown})"
+        return "on no rank"
+    return f"on rank {ranks[0]}" if len(ranks) == 1 else f"on {len(ranks)} ranks ({_spans(ranks)})"
+
+
+BAR_WIDTH = 20
+MAX_BAR_GROUPS = 12
+
+
+def expert_bars(stock: list[int], planned: list[int]) -> list[str]:
+    """Each rank's routed-expert bytes, stock against planned, as two bars scaled to the largest rank.
+
+    Ranks with the same pair of figures share one line (48 equal ranks of a 64-rank mesh are one line), listed by
+    their first rank; an empty rank shows `EMPTY` where its bar would be, so it stands out in the column of `#`.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank, pair in enumerate(zip(stock, planned)):
+        groups.setdefault(pair, []).append(rank)
+    top = max(stock + planned) or 1
+
+    def bar(n: int) -> str:
+        if n == 0:
+            return "EMPTY".ljust(BAR_WIDTH)
+        return ("#" * max(1, round(BAR_WIDTH * n / top))).ljust(BAR_WIDTH)
+
+    rows = sorted(groups.items(), key=lambda item: item[1][0])
+    labels = [("rank " if len(ranks) == 1 else f"{len(ranks)} ranks ") + _spans(ranks, 4)
+              for _, ranks in rows[:MAX_BAR_GROUPS]]
+    width = max(len(label) for label in labels)
+    lines = [f"expert bytes per rank, stock vs planned (# = 1/{BAR_WIDTH} of the largest, {_human_bytes(top)}):"]
+    for label, ((s, p), _) in zip(labels, rows):
+        lines.append(f"  {label:{width}s}  stock {bar(s)} {_human_bytes(s):>10s}   planned {bar(p)} "
+                     f"{_human_bytes(p):>10s}")
+    if len(rows) > MAX_BAR_GROUPS:
+        rest = sum(len(ranks) for _, ranks in rows[MAX_BAR_GROUPS:])
+        lines.append(f"  ... {_count(rest, 'more rank')} in {len(rows) - MAX_BAR_GROUPS} more groups")
+    return lines

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -166,11 +167,11 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
             or the size.
     """
     data_start = 8 + len(raw)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: the safetensors header is not valid JSON ({e}); the file is corrupt, "
-                              "download or copy it again.", path=file) from e
+    if len(raw) > MAX_HEADER_BYTES:  # read_header never passes more; other callers (the reader) are held to it too
+        raise CheckpointError(f"{file}: the safetensors header has {len(raw)} bytes, over the {MAX_HEADER_BYTES}-byte "
+                              "cap safetensors allows; it is corrupt or not a safetensors file.", path=file)
+    header = _json_document(raw, f"{file}: the safetensors header", "the file is corrupt, download or copy it again",
+                            path=file)
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object; the file is corrupt.", path=file)
     metadata = header.pop("__metadata__", None) or {}
@@ -207,12 +208,66 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
     return FileHeader(file, file_size, data_start, dict(metadata), tuple(entries), hashlib.sha256(raw).hexdigest())
 
 
+def _json_document(raw, what: str, remedy: str, *, path: str):
+    """`json.loads(raw)`, every failure a `CheckpointError` saying `what` is wrong and `remedy`.
+
+    Nesting is bounded by the parser's own recursion limit: a header nested 200,000 deep (a safetensors header is 3
+    deep) is refused with this error, not a `RecursionError` traceback.
+    """
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{what} is not valid JSON ({e}); {remedy}.", path=path) from e
+    except RecursionError as e:
+        raise CheckpointError(f"{what} is JSON nested deeper than reshard reads (a safetensors header or config is "
+                              f"nested a few levels); {remedy}.", path=path) from e
+
+
+def open_regular(path: Path, name: str):
+    """Open the source file `path` (`name` in messages) for reading, unbuffered, only if it is a regular file.
+
+    A FIFO, a device or a folder in a source (`config.json` a FIFO, a weight file linked to /dev/zero) would block
+    the open or never end; it is refused before opening, and the open cannot block (O_NONBLOCK, then fstat refuses
+    a FIFO swapped in after the check).
+
+    Raises:
+        CheckpointError: not a regular file (nothing was read or changed).
+        OSError: missing or unreadable.
+    """
+    _refuse_irregular(path, name, os.stat(path).st_mode)
+
+    def opener(file, flags: int) -> int:
+        fd = os.open(file, flags | os.O_NONBLOCK)
+        try:
+            _refuse_irregular(path, name, os.fstat(fd).st_mode)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    return open(path, "rb", buffering=0, opener=opener)  # by path: callers and audits see which file it is
+
+
+def _refuse_irregular(path: Path, name: str, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise CheckpointError(f"{name}: {kind}, not a regular file; reshard reads only regular files from a "
+                              "checkpoint. Replace it with the real file. Nothing was read or changed.", path=str(path))
+
+
+def _read_regular_text(path: Path, name: str) -> str:
+    with open_regular(path, name) as f:
+        return f.read().decode()
+
+
 def read_header(path: Path, *, name: str | None = None) -> FileHeader:
     """Read and validate the header of a local safetensors file (at most `MAX_HEADER_BYTES` are read)."""
     name = name or path.name
     try:
         size = path.stat().st_size
-        with open(path, "rb", buffering=0) as f:  # unbuffered: read the header and not a byte of data
+        with open_regular(path, name) as f:  # unbuffered: read the header and not a byte of data
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{name}: the file has {size} bytes, too few for a safetensors header; it is "
@@ -250,11 +305,13 @@ def _inside(root: Path, path: Path) -> bool:
 def _checked_file_names(root: Path, index_path: Path, link_root: Path) -> tuple[list[str], dict[str, str]]:
     """Validate `model.safetensors.index.json` before trusting any name in it (links must stay in `link_root`)."""
     try:
-        index = json.loads(index_path.read_text())
+        index = _json_document(_read_regular_text(index_path, index_path.name),
+                               f"{index_path.name}: not a valid safetensors index: it", "download or copy it again",
+                               path=str(index_path))
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index_path.name}: not a valid safetensors index ({e}).", path=str(index_path)) from e
     first_key: dict = {}
     for key, name in weight_map.items():
@@ -285,9 +342,10 @@ def read_config(root: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"config.json: not valid JSON ({e}).", path=str(path)) from e
+        text = _read_regular_text(path, "config.json")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"config.json: cannot be read ({e}).", path=str(path)) from e
+    config = _json_document(text, "config.json", "fix or replace it", path=str(path))
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config.json is not a JSON object.", path=str(path))
     return config
@@ -345,10 +403,27 @@ def read_local(path: Path, *, source: str | None = None, revision: str | None = 
                               path=str(path))
     headers = [read_header(path / name, name=name) for name in names]
     weight_names = set(names)
-    others = tuple(sorted(p.name for p in path.iterdir()
-                          if p.name not in weight_names and is_metadata_file(p.name) and p.is_file()))
+    others = copied_files(path, weight_names, link_root)
     return CheckpointIndex(source, revision, path, read_config(path), tuple(headers),
                            _index_tensors(headers, weight_map, str(path)), others)
+
+
+def copied_files(path: Path, skip: set[str], link_root: Path | None = None) -> tuple[str, ...]:
+    """The top-level non-weight files of `path` a write copies as they are (config, tokenizer, ...), sorted.
+
+    The rule weights follow holds for them too: a file that is a link must resolve inside `link_root` (default the
+    folder), or the write would copy a file from outside the source into OUT.
+
+    Raises:
+        CheckpointError: such a file is a link out of the folder (nothing was read or changed).
+    """
+    names = sorted(p.name for p in path.iterdir() if p.name not in skip and is_metadata_file(p.name) and p.is_file())
+    for name in names:
+        if not _inside(link_root or path, path / name):
+            raise CheckpointError(f"{name}: a link out of the checkpoint folder (to {(path / name).resolve()}); "
+                                  "reshard copies only files inside it. Copy the file in, or remove the link. "
+                                  "Nothing was read or changed.", path=str(path / name))
+    return tuple(names)
 
 
 def looks_like_repo_id(source: str) -> bool:

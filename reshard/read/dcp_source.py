@@ -30,11 +30,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, is_metadata_file, read_config, read_header
-from ..errors import CheckpointError
-from ..plan.layout import ModelLayout, Piece, Role, TargetTensor
+from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, read_config, read_header
+from ..errors import CheckpointError, ManifestError
+from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, whole_tensor
 from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
-                        read_manifest, region_text)
+                        check_member, read_manifest, region_text)
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 SOURCE_LAYOUT_VERSION = 1
@@ -54,12 +54,15 @@ class DcpIndex(CheckpointIndex):
             None when unknown (`original_error` says why).
         original_error: why `original` is None.
         tied: in-memory tensors that are tied to another one and are not written into a merged checkpoint.
+        crc32: file name -> the CRC-32 its manifest records (a reshard folder); None for a saved folder, which
+            records none (`reshard.write.source_check` checks the files a write reads against it).
     """
 
     kind: str = SAVED
     original: dict | None = None
     original_error: str | None = None
     tied: tuple[str, ...] = ()
+    crc32: dict | None = None
 
 
 def dcp_kind(source) -> str | None:
@@ -102,8 +105,7 @@ def read_dcp_source(source) -> tuple[DcpIndex, ModelLayout]:
 
 
 def _other_files(path: Path, weights: set[str]) -> tuple[str, ...]:
-    return tuple(sorted(p.name for p in path.iterdir() if p.name not in weights and p.name != MANIFEST_NAME
-                        and is_metadata_file(p.name) and p.is_file()))
+    return copied_files(path, {*weights, MANIFEST_NAME})  # links out of the folder refused, as for any source
 
 
 def _chunk_key(file: str, name: str) -> str:
@@ -117,12 +119,13 @@ def _read_reshard_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     data = manifest.data
     headers: list[FileHeader] = []
     chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...]]]] = {name: [] for name in data["order"]}
-    for entry in data["files"]:
-        file = path / entry["name"]
-        ranks = data["coords"][entry["coord"]]["ranks"]
-        if not file.is_file():
+    for entry in manifest.files:
+        file = path / entry.name
+        ranks = list(manifest.coords[entry.coord].ranks)
+        if not os.path.exists(file):
             raise CheckpointError(f"{file}: missing (the file of rank(s) {ranks}); the folder is incomplete. Copy the "
                                   "file back, or write the folder again. Nothing was written.", path=str(file))
+        check_member(path, entry.name)  # a FIFO or a device: refused before it is opened
         header = read_header(file)
         if header.size != entry["bytes"]:
             raise CheckpointError(f"{file}: {header.size} bytes, the manifest says {entry['bytes']}; the file is "
@@ -142,12 +145,46 @@ def _read_reshard_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
         target = _place(name, tuple(info["shape"]), chunks[name], entries, str(path), dtype=info["dtype"])
         tensors.append(TargetTensor(name, target[0], target[1], Role(info["role"]), info["is_param"], target[2]))
     source = data["source"]
-    layout = ModelLayout(source["model_type"], source["architecture"], tuple(tensors))
+    extra_headers, extras, extra_crc32 = _recorded_extras(path, data, entries)
+    headers += extra_headers
+    layout = ModelLayout(source["model_type"], source["architecture"], tuple(tensors),
+                         tuple(t.name for t in extras), extras=extras)
     original, error = _recorded_original(data)
     index = DcpIndex(str(path), None, path, read_config(path), tuple(headers), entries,
                      _other_files(path, {h.name for h in headers}), kind=RESHARD, original=original,
-                     original_error=error, tied=_tied_from_record(original))
+                     original_error=error, tied=_tied_from_record(original),
+                     crc32={**{entry["name"]: entry["crc32"] for entry in data["files"]}, **extra_crc32})
     return index, layout
+
+
+def _recorded_extras(path: Path, data: dict, entries: dict) -> tuple[list[FileHeader], tuple[TargetTensor, ...], dict]:
+    """The extras files the manifest lists (its optional `extras`: tensors the model does not load, whole under their
+    on-disk keys), checked like the rank files: present, of the recorded size, holding exactly the recorded keys.
+
+    Returns:
+        (their headers, one whole tensor per key with its bytes registered in `entries`, file name -> CRC-32).
+    """
+    headers, extras, crc32 = [], [], {}
+    for entry in data.get("extras") or ():
+        file = path / entry["name"]
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (it holds {len(entry['keys'])} tensor(s) the model does not load, "
+                                  f"e.g. {entry['keys'][0]}); copy the file back, or write the folder again. Nothing "
+                                  "was written.", path=str(file))
+        header = read_header(file)
+        by_name = {t.name: t for t in header.tensors}
+        if header.size != entry["bytes"] or sorted(by_name) != sorted(entry["keys"]):
+            raise CheckpointError(f"{file}: {header.size} bytes holding {len(by_name)} tensor(s); reshard.json says "
+                                  f"{entry['bytes']} bytes holding {len(entry['keys'])}. The file is truncated or "
+                                  "replaced; copy it again. Nothing was written.", path=str(file))
+        for key in entry["keys"]:
+            t = by_name[key]
+            chunk = _chunk_key(entry["name"], key)
+            entries[chunk] = TensorEntry(chunk, t.file, t.dtype, t.shape, t.data_start)
+            extras.append(whole_tensor(key, t.shape, t.dtype, chunk))
+        headers.append(header)
+        crc32[entry["name"]] = entry["crc32"]
+    return headers, tuple(extras), crc32
 
 
 def _recorded_original(data: dict) -> tuple[dict | None, str | None]:
@@ -158,7 +195,12 @@ def _recorded_original(data: dict) -> tuple[dict | None, str | None]:
     if record.get("version") != SOURCE_LAYOUT_VERSION:
         return None, (f"reshard.json records the source layout in version {record.get('version')}, this reshard reads "
                       f"{SOURCE_LAYOUT_VERSION}; use --layout fused or upgrade reshard")
-    return {name: [_parse_on_disk(text) for text in pieces] for name, pieces in record["tensors"].items()}, None
+    try:
+        return {name: [_parse_on_disk(text) for text in pieces] for name, pieces in record["tensors"].items()}, None
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise ManifestError([f"reshard.json: source_layout.tensors holds a record that is not (key, offset, stacked "
+                             f"dim, shape) ({type(e).__name__}: {str(e)[:120]}). Merge with --layout fused, or "
+                             "write the folder again. Nothing was written."]) from e
 
 
 def _tied_from_record(original: dict | None) -> tuple[str, ...]:
@@ -214,7 +256,7 @@ def _saved_offsets(header: FileHeader, path: Path) -> dict[str, tuple[int, ...]]
 
 def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     from ..errors import ArchitectureError
-    from .experts import _role, build_meta_model, expert_param_names
+    from .experts import _role, build_meta_model, expert_param_names, ignore_patterns
 
     names = _saved_files(path)
     config = read_config(path)
@@ -248,7 +290,9 @@ def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
                                   "not finish. Nothing was written.", path=str(path))
         shape, dtype, pieces = _place(name, tuple(meta.shape), found, entries, str(path))
         tensors.append(TargetTensor(name, shape, dtype, _role(name, name in experts), name not in buffers, pieces))
-    layout = ModelLayout(config["model_type"], type(model).__name__, tuple(tensors), (), expert_parallel)
+    # no extras (save_pretrained keeps only what the model loads); the patterns say what `merge` leaves out
+    layout = ModelLayout(config["model_type"], type(model).__name__, tuple(tensors), (), expert_parallel,
+                         ignore_patterns=ignore_patterns(model))
     try:
         original, error = _reverse_conversion(model, layout, set(tied)), None
     except Exception as e:  # noqa: BLE001 - any failure of transformers' reverse conversion: original unavailable

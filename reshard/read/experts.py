@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 from .checkpoint import CheckpointIndex
 from ..errors import ArchitectureError, CheckpointError
-from ..plan.layout import ModelLayout, Piece, Role, TargetTensor
+from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, whole_tensor
 
 _ROUTER = re.compile(r"(^|\.)(gate|router|moe_statics)(\.|$)|e_score_correction_bias|expert_bias")
 _SHARED = re.compile(r"shared_expert|shared_mlp")
@@ -211,7 +211,17 @@ def layout_from_model(model, index: CheckpointIndex, *, by_template: bool = True
             raise CheckpointError(f"{name}: its on-disk pieces have mixed dtypes {sorted(dtypes)}.", path=index.source)
         tensors.append(TargetTensor(name, shape, dtypes.pop(), _role(name, name in experts), name not in buffers,
                                     tuple(pieces)))
-    return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored), expert_parallel)
+    extras = tuple(whole_tensor(key, index.tensors[key].shape, index.tensors[key].dtype) for key in ignored)
+    return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored), expert_parallel, extras,
+                       ignore_patterns(model))
+
+
+def ignore_patterns(model) -> tuple[str, ...]:
+    """The model's `_keys_to_ignore_on_load_unexpected` as strings (transformers allows None, a list or a set)."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+    if not isinstance(patterns, (list, tuple, set, frozenset)):
+        return ()
+    return tuple(sorted(str(p) for p in patterns))
 
 
 def _indices_are_opaque(mapping, prefix: str, meta_state) -> bool:
@@ -350,7 +360,13 @@ def _compose(name, shape, groups, by_pattern, index, model_type) -> list[Piece]:
     transpose_ok = step < len(ops) and type(ops[step]).__name__ == "Transpose" and ops[step].check_dims
     if transpose_ok:
         step += 1
+    # Inkling 2's unembedding (transformers 5.24) keeps the first `unpadded_vocab_size` rows: a no-op, checked below,
+    # when the checkpoint stores exactly the model's rows (as save_pretrained of the model writes them)
+    unpad = step < len(ops) and type(ops[step]).__name__ == "Inkling2UnpadVocab"
+    if unpad:
+        step += 1
     if step != len(ops):
+        _refuse_op(name, ops[step], converter, model_type)
         raise ArchitectureError(
             f"{model_type}: {name} is built with {[type(o).__name__ for o in ops]}; reshard composes only "
             "MergeModulelist, Concatenate and shape-checked Transpose so far. This model type is not supported yet."
@@ -370,8 +386,28 @@ def _compose(name, shape, groups, by_pattern, index, model_type) -> list[Piece]:
     if transpose_ok and concat_dim is None and pattern in extents and tuple(extents[pattern]) != shape:
         raise ArchitectureError(f"{model_type}: {name} is stored transposed ({extents[pattern]} on disk, "
                                 f"{list(shape)} in memory); transposing is not supported yet.")
+    if unpad and pattern in extents and tuple(extents[pattern]) != shape:
+        raise ArchitectureError(f"{model_type}: {name} is stored padded ({extents[pattern]} on disk, {list(shape)} in "
+                                "memory; transformers drops the padding rows on load); reshard builds tensors from "
+                                "whole on-disk tensors, so this checkpoint is not supported yet. Nothing was written.")
     _check_cover(name, shape, pieces, index)
     return pieces
+
+
+def _refuse_op(name, op, converter, model_type) -> None:
+    """Refuse, with the reason, the ops whose refusal says more than their name (each new in transformers 5.24)."""
+    kind = type(op).__name__
+    if kind == "Split":  # Sarvam-MoE's fused `query_key_value`, Lara-Mini's fused `linear_attn.in_proj`
+        raise ArchitectureError(
+            f"{model_type}: {name} is one part of an on-disk tensor that transformers splits (Split of "
+            f"{list(converter.source_patterns)} into {list(converter.target_patterns)}); reshard builds each tensor "
+            "from whole on-disk tensors, so a checkpoint storing them fused is not supported yet (one saved with "
+            "the in-memory names, save_pretrained(save_original_format=False), is). Nothing was written.")
+    if kind == "Inkling2LoopDequantizeExperts":
+        raise ArchitectureError(
+            f"{model_type}: {name} is built with {[type(o).__name__ for o in converter.operations]} (transformers "
+            "dequantizes the NVFP4/MXFP8 experts of the original checkpoints as it loads them); reshard does not "
+            "compose them yet, so this model type is not supported yet. Nothing was written.")
 
 
 def _ambiguous(name, keys):

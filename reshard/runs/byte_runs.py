@@ -62,7 +62,7 @@ def chunk_runs(tensor: TargetTensor, box: Box, entries: dict[str, TensorEntry]) 
             continue
         lengths = [h - l for l, h in zip(lo, hi)]
         # the run covers dims k.. : every dim after k must be whole in the piece and in the chunk
-        k = len(lengths) - 1
+        k = max(len(lengths) - 1, 0)  # a 0-dim tensor (an extra can be one) is one run of one element
         while k > 0 and lengths[k] == extent[k] == out_lengths[k]:
             k -= 1
         run_elems = math.prod(lengths[k:])

@@ -49,6 +49,9 @@ from .shards import (
     sigterm_as_interrupt,
     _signals_held,
     _write_lock,
+    INTERRUPT_CLEANUP_S,
+    remove_within,
+    removes_made_parents,
     write_coordinates,
 )
 
@@ -503,6 +506,7 @@ def _agreed_failure(views: list, what: str) -> _Agreed | None:
     return _Agreed(f"{describe_failures(failed, len(views), what)}. Every rank stopped; nothing was kept.")
 
 
+@removes_made_parents("out")
 def write_distributed(read_plan, out: str | os.PathLike, *, overwrite: bool = False,
                       max_shard_size: int | None = None, progress: bool | None = None) -> dict | None:
     """Write as one rank of a distributed job: every rank of the job calls this with the same arguments.
@@ -624,9 +628,10 @@ def _write_as_rank(ranks: _Ranks, read_plan, out, overwrite: bool, max_shard_siz
             ranks.bar.update(ranks.store.add(ranks.key("bytes"), 0) - ranks.bar.n)  # every rank has flushed its count
         try:
             manifest = _finish(plan, index, tmp, out, sorted((f for share in entries for f in share),
-                                                             key=lambda f: f["coord"]), copied, overwrite)
+                                                             key=lambda f: f["coord"]), copied, overwrite,
+                             max_shard_size=max_shard_size)  # rank 0 writes the extras files (`write_extras`)
         except BaseException as e:
-            _discard(out, tmp)
+            _discard(out, tmp, interrupted=isinstance(e, KeyboardInterrupt))
             reason = (str(_output_error(e, out, total)) if isinstance(e, OSError) else
                       "it was interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}")
             ranks.announce("outcome", reason)
@@ -642,8 +647,11 @@ def _write_as_rank(ranks: _Ranks, read_plan, out, overwrite: bool, max_shard_siz
         return manifest
     except BaseException as e:
         if not handed_over and tmp is not None:
+            interrupted = isinstance(e, KeyboardInterrupt)  # then removed for a moment only, the rest by the next write
             if rank == 0:
-                _discard(out, tmp)
+                _discard(out, tmp, interrupted=interrupted)
+            elif interrupted:
+                remove_within(tmp, out, INTERRUPT_CLEANUP_S)
             else:
                 shutil.rmtree(tmp, ignore_errors=True)  # rank 0 may be gone; several ranks may try: all harmless
         if not agreed:

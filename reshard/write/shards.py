@@ -24,6 +24,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -31,13 +32,15 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import OutputError
-from ..manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest, shard_file_name
+from ..manifest import (MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, dcp_metadata, dump_manifest,
+                        extra_file_name, shard_file_name)
 from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_sizes, split_parts
 from ..plan.layout import TargetTensor
 from ..plan.placement import ReshardPlan
-from ..read.checkpoint import CheckpointIndex, is_metadata_file
+from ..read.checkpoint import DTYPE_BITS, CheckpointIndex, is_metadata_file
 from ..runs.byte_runs import Run, chunk_runs
 
+INTERRUPT_CLEANUP_S = 1.0  # an interrupted write removes its temporary folder this long at most, then exits
 COPY_BUFFER_BYTES = 1 << 20  # 1 MiB: measured as fast as `cp` in the fallback loop; 16 MiB was 2.5x slower
 TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
 LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
@@ -76,11 +79,20 @@ class _Copier:
         self.kernel_copy = hasattr(os, "copy_file_range")
         self.stop = threading.Event()
         self.crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-crc")
+        from .source_check import SourceCheck
+
+        # a reshard folder as the source: each file it reads is checked whole against its manifest's CRC-32
+        self.source_check = SourceCheck(getattr(index, "crc32", None), index.path_of, str(index.root))
 
     def fd(self, file: str) -> int:
         if file not in self.sources:
             self.sources[file] = os.open(self.index.path_of(file), os.O_RDONLY)
+            self.source_check.start(file)
         return self.sources[file]
+
+    def finish_source_checks(self) -> list[str]:
+        """Wait for the CRC-32 checks of the source files read; raises `CheckpointError` naming a damaged one."""
+        return self.source_check.finish()
 
     def crc_later(self, header: bytes, runs: list[Run]) -> Future:
         """CRC-32 of `header` followed by the runs' source bytes, computed in the background."""
@@ -109,6 +121,7 @@ class _Copier:
         for run in runs:
             src_fd, done = self.fd(run.file), 0
             while done < run.nbytes:
+                self.source_check.raise_if_failed()  # a damaged source stops the copy at once
                 got = self._copy_some(src_fd, out_fd, run.nbytes - done, run.src + done, base + run.dst + done)
                 if got <= 0:
                     raise OutputError(f"{run.file}: short read at byte {run.src + done}; the source file is "
@@ -145,6 +158,7 @@ class _Copier:
     def close(self):
         self.stop.set()
         self.crc_pool.shutdown(wait=True)
+        self.source_check.close()
         for fd in self.sources.values():
             os.close(fd)
         if self.dequantizer is not None:
@@ -154,14 +168,19 @@ class _Copier:
 def _write_file(path: Path, items: list, copier: _Copier) -> dict:
     specs = [spec for spec, _, _ in items]
     header = safetensors_header(specs, dcp_metadata({s.name: list(s.offsets) for s in specs}))
+    return _file_entry(path, specs, _write_chunks(path, header, items, copier))
+
+
+def _write_chunks(path: Path, header: bytes, items: list, copier: _Copier) -> int:
+    """Create `path` holding `header` and then the `(ChunkSpec, tensor, box)` items' bytes, copied or (a dequantized
+    tensor) computed; returns the file's CRC-32."""
     dequantizer = copier.dequantizer
     if dequantizer is not None and any(dequantizer.computes(tensor) for _, tensor, _ in items):
-        crc = _write_computed_file(path, header, items, copier)
-        return _file_entry(path, specs, crc)
+        return _write_computed_file(path, header, items, copier)
     placed, size = placed_runs(len(header), [(spec.nbytes, tensor, box) for spec, tensor, box in items], copier.index)
     crc = copier.crc_later(header, placed)
     write_copied_file(path, header, placed, size, copier)
-    return _file_entry(path, specs, crc.result())
+    return crc.result()
 
 
 def placed_runs(start: int, boxes: list, index) -> tuple[list[Run], int]:
@@ -247,6 +266,40 @@ def _pwrite_all(fd: int, data, position: int) -> int:
     while done < len(data):
         done += os.pwrite(fd, data[done:], position + done)
     return position + done
+
+
+def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
+                 max_shard_size: int | None = None) -> list[dict]:
+    """Write the plan's extras (on-disk tensors the model does not load: MTP layers, ...) whole, under their own
+    keys, into `extra-PPPPP-of-NNNNN.safetensors` files in `folder`; returns their manifest entries.
+
+    The names do not match the rank-file pattern transformers' distributed loader looks for, and no coordinate lists
+    them, so no rank reads them; `merge` writes them back. Bytes are copied as they are; a quantized pair among them
+    is dequantized like every other weight in a dequantizing write, so the output is one consistent bf16 checkpoint.
+    """
+    if not plan.extras:
+        return []
+    items = [(ChunkSpec(t.name, t.dtype, t.shape, (0,) * len(t.shape), t.numel * DTYPE_BITS[t.dtype] // 8, i), t,
+              tuple((0, n) for n in t.shape)) for i, t in enumerate(plan.extras)]
+    parts = split_parts(items, max_shard_size)
+    copier = _Copier(index, None)
+    entries = []
+    try:
+        for part, chunk_items in enumerate(parts):
+            path = folder / extra_file_name(part, len(parts))
+            specs = [spec for spec, _, _ in chunk_items]
+            crc = _write_chunks(path, safetensors_header(specs, {"format": "pt"}), chunk_items, copier)
+            entries.append({"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc:08x}",
+                            "keys": [spec.name for spec in specs]})
+        copier.finish_source_checks()
+    finally:
+        copier.close()
+    return entries
+
+
+def extras_bytes(plan: ReshardPlan) -> int:
+    """Bytes of tensor data the plan's extras files hold."""
+    return sum(t.numel * DTYPE_BITS[t.dtype] // 8 for t in plan.extras)
 
 
 def _fsync_files(folder: Path) -> None:
@@ -361,7 +414,8 @@ def _not_replaceable(out: Path) -> str | None:
     try:
         if manifest.get("format") != MANIFEST_FORMAT:
             return f"its {MANIFEST_NAME} is not a reshard manifest"
-        ours = {MANIFEST_NAME, *(f["name"] for f in manifest["files"])}
+        ours = {MANIFEST_NAME, *(f["name"] for f in manifest["files"]),
+                *(f["name"] for f in manifest.get("extras") or ())}
         copied = manifest.get("copied")
         # a manifest from before `copied` was recorded: only top-level files reshard copies today count as ours
         ours |= set(copied) if copied is not None else {e for e in entries if is_metadata_file(e)}
@@ -434,6 +488,7 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
                 path = tmp / shard_file_name(coord, part, len(parts))
                 files.append({"coord": coord, **_write_file(path, items, copier)})
                 paths.append(path)
+        copier.finish_source_checks()
     finally:
         copier.close()
     if fsync:
@@ -473,7 +528,7 @@ def _claim_output(plan: ReshardPlan, index: CheckpointIndex, out: Path, overwrit
         _check_replaceable(out, overwrite)
     sizes = coordinate_sizes(plan)  # chunk lists are built one coordinate at a time, as its files are written
     data = sum(sizes)
-    total = data + sum((index.root / name).stat().st_size for name in copied)
+    total = data + extras_bytes(plan) + sum((index.root / name).stat().st_size for name in copied)
     free = shutil.disk_usage(out.parent).free
     if free < total:
         raise OutputError(f"{out.parent}: {free / 2**30:.2f} GiB free, the output needs {total / 2**30:.2f} GiB. "
@@ -489,8 +544,9 @@ def _progress_bar(total: int, progress: bool | None):
 
 
 def _finish(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, out: Path, files: list[dict],
-            copied: list[str], overwrite: bool) -> dict:
-    """Complete the temporary folder (copied files, fsync, the manifest last) and put it in place as OUT."""
+            copied: list[str], overwrite: bool, *, max_shard_size: int | None = None) -> dict:
+    """Complete the temporary folder (extras, copied files, fsync, the manifest last) and put it in place as OUT."""
+    extras = write_extras(plan, index, tmp, max_shard_size=max_shard_size)
     for name in copied:
         if name == "config.json" and index.quantization is not None:
             # the bf16 model's config: transformers must not build the quantized model for these files
@@ -500,7 +556,7 @@ def _finish(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, out: Path, fil
         else:
             shutil.copy2(index.root / name, tmp / name)
     _fsync_files(tmp)
-    manifest = _manifest(plan, index, files)
+    manifest = _manifest(plan, index, files, extras)
     with open(tmp / MANIFEST_NAME, "w") as f:
         f.write(dump_manifest(manifest))
         f.flush()
@@ -520,6 +576,43 @@ def _output_error(e: OSError, out: Path, total: int) -> OutputError:
     return OutputError(f"{out}: write failed ({e}); nothing was kept.")
 
 
+def removes_made_parents(argument: str):
+    """Decorate a writer whose parameter `argument` is its output folder: when it fails or is interrupted, the parent
+    folders of the output it created (those missing before the call, and still empty) are removed again, so a refused
+    write into `small/x/y/out` leaves no empty `x/y` behind."""
+    def decorate(fn):
+        import inspect
+
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            made = _missing_parents(Path(signature.bind(*args, **kwargs).arguments[argument]))
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                for folder in made:  # deepest first; one that is not empty (someone else's now) stays, as all above
+                    try:
+                        os.rmdir(folder)
+                    except OSError:
+                        break
+                raise
+
+        return wrapper
+
+    return decorate
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    """The parent folders of `out` that do not exist yet, deepest first."""
+    missing, parent = [], Path(os.path.abspath(out)).parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    return missing
+
+
+@removes_made_parents("out")
 def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLike, *, overwrite: bool = False,
                  max_shard_size: int | None = None, progress: bool | None = None, workers: int | None = 1) -> dict:
     """Write `plan` for the checkpoint `index` into the folder `out`.
@@ -563,7 +656,7 @@ def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLi
                 else:
                     files = write_coordinates(plan, index, tmp, range(len(sizes)), max_shard_size=max_shard_size,
                                               progress=bar)
-                manifest = _finish(plan, index, tmp, out, files, copied, overwrite)
+                manifest = _finish(plan, index, tmp, out, files, copied, overwrite, max_shard_size=max_shard_size)
         finally:
             bar.close()
     return manifest
@@ -578,18 +671,57 @@ def discarded_on_failure(out: Path, tmp: Path, total: int):
     except OSError as e:
         _discard(out, tmp)
         raise _output_error(e, out, total) from e
-    except BaseException:
-        _discard(out, tmp)
+    except BaseException as e:
+        _discard(out, tmp, interrupted=isinstance(e, KeyboardInterrupt))
         raise
 
 
-def _discard(out: Path, tmp: Path) -> None:
-    """After a failure or interruption: put OUT back if this write had moved it aside, remove the temporaries."""
+def _discard(out: Path, tmp: Path, *, interrupted: bool = False) -> None:
+    """After a failure or interruption: put OUT back if this write had moved it aside, remove the temporaries.
+
+    Interrupted (Ctrl-C, SIGTERM), the removal takes `INTERRUPT_CLEANUP_S` at most (`remove_within`), so the process
+    exits at once even after writing 20,000 files; the rest is left for the next write to OUT.
+    """
     aside = _aside_path(out)
     if os.path.lexists(aside) and not os.path.lexists(out):
         os.rename(aside, out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(aside, ignore_errors=True)
+    for folder in (tmp, aside):
+        if interrupted:
+            remove_within(folder, out, INTERRUPT_CLEANUP_S)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_within(folder: Path, out: Path, seconds: float) -> None:
+    """Remove the temporary `folder` of a write to `out` for at most `seconds`, then stop.
+
+    It is first renamed `.OUT.reshard-tmp-stale-PID-N`: whatever is left is then plainly stale, and the next write
+    to OUT removes it under its lock (`_clean_stale_temporaries`, as after a SIGKILL). Measured: 20,000 files took
+    35-56 s to delete on a loaded file system, far past the few seconds a SIGTERM is given before a SIGKILL.
+    """
+    if not os.path.lexists(folder):
+        return
+    stale = out.parent / f".{out.name}{TMP_MARK}stale-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        os.rename(folder, stale)
+    except OSError:
+        stale = folder  # another rank renamed it first, or the file system refuses: remove it where it is
+    deadline = time.monotonic() + seconds
+    try:
+        with os.scandir(stale) as entries:
+            for entry in entries:
+                if time.monotonic() > deadline:
+                    return
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass
+        os.rmdir(stale)
+    except OSError:
+        pass
 
 
 def _fsync_dir(path: Path) -> None:
@@ -730,8 +862,9 @@ def _dequantized_from(tensor: TargetTensor, index: CheckpointIndex) -> dict:
     return {"dequantized_from": record}
 
 
-def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> dict:
-    """The manifest document for the written `files` (their entries, every coordinate's, in any order)."""
+def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict], extras: list[dict] = ()) -> dict:
+    """The manifest document for the written `files` (their entries, every coordinate's, in any order) and the
+    extras files (`write_extras`; the `extras` section only when there are any)."""
     mesh = plan.mesh
     by_coord: dict[int, list[dict]] = {c: [] for c in range(mesh.num_shard_groups)}
     for entry in sorted(files, key=lambda f: (f["coord"], f["first"])):
@@ -768,6 +901,9 @@ def _manifest(plan: ReshardPlan, index: CheckpointIndex, files: list[dict]) -> d
         "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
         # the source's on-disk keys per tensor, for `reshard merge --layout original` (reshard.read.dcp_source)
         "source_layout": _source_layout(plan, index),
+        **({"extras": list(extras)} if extras else {}),
+        # with --drop-unloaded: how many the source held, so that `merge` can say what it cannot write back
+        **({"dropped_unloaded": len(plan.layout.extras)} if plan.layout.extras and not plan.extras else {}),
     }
 
 

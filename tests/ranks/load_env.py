@@ -82,6 +82,9 @@ def main():
     except BaseException as e:  # report everything: the test asserts on it
         report["error"] = f"{type(e).__name__}: {e}"
         report["traceback"] = traceback.format_exc()[-3000:]
+        import torch.distributed as dist
+
+        report["group_left_up"] = dist.is_initialized()  # reshard created it: a failed load must destroy it
         report["seconds"] = time.monotonic() - start
         with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)

@@ -1,0 +1,102 @@
+"""`reshard env`: the facts a bug report needs, as `transformers env` and `hf env` give them.
+
+Versions come from the installed distributions (`importlib.metadata`), which is also what pip resolves against: a
+CUDA build of torch reports `2.14.1+cu130` as `torch.__version__` but is installed as `2.14.1`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import sys
+
+# The torch releases the suite has run against on the CPU (docs/compatibility.md): CPU and CUDA builds alike.
+TESTED_TORCH = ((2, 13), (2, 14), (2, 15))
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DISTRIBUTIONS = ("reshard", "torch", "transformers", "safetensors", "huggingface-hub", "accelerate", "click",
+                 "tqdm", "numpy")
+
+
+def distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _minor(version: str | None) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _torch_facts() -> dict:
+    try:
+        import torch
+    except ImportError as e:
+        return {"error": str(e)}
+    cuda = torch.cuda.is_available()
+    return {"version": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": cuda,
+            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+            "distributed": torch.distributed.is_available(),
+            "nccl": torch.distributed.is_available() and torch.distributed.is_nccl_available()}
+
+
+def _hook_facts() -> list[dict] | dict:
+    from .load.hooks import check_hooks
+
+    try:
+        return [{"name": s.hook.qualified, "use": s.hook.use, "ok": s.ok, "problem": s.problem}
+                for s in check_hooks()]
+    except ImportError as e:
+        return {"error": f"transformers cannot be imported ({e})"}
+
+
+def environment_report() -> dict:
+    """Everything `reshard env` prints, as one JSON-ready document."""
+    from .load.hooks import TESTED_RANGE, in_tested_range
+
+    versions = {name: distribution_version(name) for name in DISTRIBUTIONS}
+    hooks = _hook_facts()
+    torch_tested = _minor(versions["torch"]) in TESTED_TORCH
+    transformers_tested = versions["transformers"] is not None and in_tested_range(versions["transformers"])
+    return {
+        "reshard_env_version": 1,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": versions,
+        "torch": _torch_facts(),
+        "tested": {"torch": torch_tested, "transformers": transformers_tested,
+                   "torch_range": ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH), "transformers_range": TESTED_RANGE},
+        "hooks_ok": isinstance(hooks, list) and all(h["ok"] for h in hooks),
+        "hooks": hooks,
+        "launcher": {name: os.environ.get(name) for name in LAUNCHER_VARIABLES},
+    }
+
+
+def format_report(report: dict) -> str:
+    """The report as the lines a user pastes into an issue."""
+    v, t, tested = report["versions"], report["torch"], report["tested"]
+    cuda = "no CUDA build" if not t.get("cuda_build") else (
+        f"CUDA {t['cuda_build']}, {len(t['devices'])} device(s) visible" + (f": {', '.join(t['devices'])}"
+                                                                            if t["devices"] else ""))
+    lines = [
+        f"- reshard: {v['reshard']}",
+        f"- Python: {report['python']} ({report['platform']})",
+        f"- torch: {v['torch']} (torch.__version__ {t.get('version')}; {cuda}; NCCL {'yes' if t.get('nccl') else 'no'})",
+    ]
+    lines += [f"- {name}: {v[name] or 'not installed'}" for name in DISTRIBUTIONS[2:]]
+    inside = "inside" if tested["torch"] and tested["transformers"] else "OUTSIDE"
+    lines.append(f"- tested matrix: {inside} (torch {tested['torch_range']}: {'yes' if tested['torch'] else 'no'}; "
+                 f"{tested['transformers_range']}: {'yes' if tested['transformers'] else 'no'})")
+    hooks = report["hooks"]
+    if isinstance(hooks, dict):
+        lines.append(f"- loader-patch hooks: unknown, {hooks['error']}")
+    else:
+        broken = [h for h in hooks if not h["ok"]]
+        lines.append(f"- loader-patch hooks: {len(hooks) - len(broken)} of {len(hooks)} present and as expected")
+        lines += [f"    {h['name']} ({h['use']}): {h['problem']}" for h in broken]
+    seen = {k: val for k, val in report["launcher"].items() if val is not None}
+    lines.append("- launcher variables: " + (", ".join(f"{k}={val}" for k, val in seen.items()) or "none set"))
+    return "\n".join(lines)

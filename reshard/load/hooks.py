@@ -1,0 +1,153 @@
+"""The transformers names the loader patch wraps, replaces or calls, and a check that each is there as expected.
+
+The patch hooks private transformers API, so a version string says little: what matters is that each function
+still exists with the parameters the patch passes or receives. `check_hooks` inspects them without installing
+anything; the patch refuses to install when one is missing or changed, and warns once when every hook is intact
+but the installed transformers is outside the tested range (`reshard env` shows the same facts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import warnings
+from dataclasses import dataclass
+
+# The transformers releases the whole suite runs against (CI runs both ends): setup.cfg allows the same range.
+TESTED_TRANSFORMERS = ((5, 23), (5, 24))
+TESTED_RANGE = "transformers>=5.23,<5.25"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One transformers name the patch relies on.
+
+    `params` are the leading parameters, in order, that reshard passes or receives; `keywords` are parameters it
+    passes by name. A `replaced` hook must keep exactly `params`, since transformers calls reshard's version.
+    """
+
+    module: str
+    name: str
+    use: str  # "wrapped", "replaced" or "called"
+    params: tuple[str, ...] = ()
+    keywords: tuple[str, ...] = ()
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+_MU = "transformers.modeling_utils"
+HOOKS = (
+    Hook("transformers.distributed.fsdp", "fully_shard", "wrapped", ("module",), ("shard_placement_fn",)),
+    Hook("transformers.distributed.mixin", "apply_fully_sharded_data_parallelism", "wrapped", ("model",)),
+    Hook("transformers.distributed.mixin", "_load_model_checkpoint_distributed", "wrapped",
+         ("model", "checkpoint_dir", "strict")),
+    Hook("transformers.core_model_loading", "WeightConverter.convert", "wrapped",
+         ("self", "layer_name", "model", "config", "hf_quantizer", "loading_info")),
+    Hook("transformers.core_model_loading", "WeightRenaming.convert", "wrapped",
+         ("self", "layer_name", "model", "config", "hf_quantizer", "loading_info")),
+    Hook(_MU, "PreTrainedModel._move_missing_keys_from_meta_to_device", "replaced",
+         ("self", "missing_keys", "device_map", "device_mesh", "hf_quantizer")),
+    Hook(_MU, "get_model_conversion_mapping", "wrapped", ("model", "key_mapping")),
+    Hook(_MU, "PreTrainedModel.from_pretrained", "wrapped", ("pretrained_model_name_or_path",)),
+    Hook(_MU, "is_deepspeed_zero3_enabled", "called"),
+    Hook(_MU, "is_fsdp_enabled", "called"),
+    Hook(_MU, "is_local_dist_rank_0", "called"),
+    Hook(_MU, "get_device", "called", ("device_map", "param_name"), ("valid_torch_device",)),
+    Hook(_MU, "_load_parameter_into_model", "called", ("model", "param_name", "tensor")),
+    Hook(_MU, "_dtensor_from_local_like", "called", ("local_tensor", "ref")),
+    Hook(_MU, "is_dtensor", "called", ("obj",)),
+    Hook("transformers.distributed.utils", "is_dtensor", "called", ("obj",)),
+    Hook("transformers.distributed.utils", "_ensure_torch_distributed", "called"),
+    Hook("transformers.distributed", "DistributedConfig", "called", (),
+         ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size", "enable_expert_parallel")),
+)
+
+
+@dataclass(frozen=True)
+class HookStatus:
+    hook: Hook
+    problem: str | None  # None: present and as expected
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def _resolve(hook: Hook):
+    obj = importlib.import_module(hook.module)
+    for part in hook.name.split("."):
+        # The class dict, not getattr: a classmethod must be seen as itself, and a name inherited from a base class
+        # is not the one the patch replaces.
+        owner_dict = getattr(obj, "__dict__", {})
+        if part not in owner_dict and not hasattr(obj, part):
+            return None
+        obj = owner_dict[part] if part in owner_dict else getattr(obj, part)
+    return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+
+
+def _problem(hook: Hook) -> str | None:
+    try:
+        obj = _resolve(hook)
+    except ImportError as e:
+        return f"its module cannot be imported ({e})"
+    if obj is None:
+        return "it is missing"
+    try:
+        parameters = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    names = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if hook.name.endswith("from_pretrained") and names[:1] == ["cls"]:
+        names = names[1:]
+    leading = tuple(names[:len(hook.params)])
+    if leading != hook.params or (hook.use == "replaced" and tuple(names) != hook.params):
+        return f"reshard expects parameters ({', '.join(hook.params)}), found ({', '.join(names)})"
+    takes_any_keyword = any(p.kind == p.VAR_KEYWORD for p in parameters)
+    lost = [k for k in hook.keywords if k not in names and not takes_any_keyword]
+    if lost:
+        return f"parameter {', '.join(lost)} is gone (found ({', '.join(names)}))"
+    return None
+
+
+def check_hooks() -> list[HookStatus]:
+    """The status of every hook in the installed transformers; imports transformers, installs nothing."""
+    return [HookStatus(hook, _problem(hook)) for hook in HOOKS]
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def in_tested_range(version: str) -> bool:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return bool(match) and (int(match[1]), int(match[2])) in TESTED_TRANSFORMERS
+
+
+def refusal(version: str, broken: list[HookStatus]) -> str:
+    lines = "; ".join(f"{s.hook.qualified} ({s.hook.use}): {s.problem}" for s in broken)
+    return (f"reshard's loader patch cannot install on transformers {version}: {lines}. It was tested with "
+            f"{TESTED_RANGE}; install a version in that range (`pip install \"{TESTED_RANGE}\"`). Nothing was "
+            "patched.")
+
+
+_warned: set[str] = set()
+
+
+def require_hooks() -> None:
+    """Refuse (ReshardError) when a hook is missing or changed; warn once when outside the tested range."""
+    from ..errors import ReshardError
+
+    version = transformers_version()
+    broken = [s for s in check_hooks() if not s.ok]
+    if broken:
+        raise ReshardError(refusal(version, broken))
+    if not in_tested_range(version) and version not in _warned:
+        _warned.add(version)
+        warnings.warn(f"reshard's loader patch was tested with {TESTED_RANGE}; transformers {version} is installed. "
+                      "Every hook it uses is present with the expected signature, so it proceeds; report problems "
+                      "with the output of `reshard env`.", stacklevel=3)

@@ -1,0 +1,53 @@
+"""`reshard env`: the versions pip sees, the loader-patch hooks, the tested matrix and the launcher variables."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+from click.testing import CliRunner
+
+from reshard.cli import cli
+
+
+def _env(*args, env=None):
+    result = CliRunner().invoke(cli, ["env", *args], env=env)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_env_json_reports_installed_distributions_hooks_and_launcher(monkeypatch):
+    from reshard.load.hooks import HOOKS
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    report = json.loads(_env("--json", env={"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "node-7"}))
+    for name in ("torch", "transformers", "safetensors", "huggingface-hub", "accelerate"):
+        # the distribution's version (what pip resolves against), not a module's __version__
+        assert report["versions"][name] == importlib.metadata.version(name)
+    assert report["launcher"]["RANK"] == "3" and report["launcher"]["WORLD_SIZE"] == "8"
+    assert report["launcher"]["MASTER_ADDR"] == "node-7" and report["launcher"]["LOCAL_RANK"] is None
+    assert [h["name"] for h in report["hooks"]] == [h.qualified for h in HOOKS]
+    assert report["hooks_ok"] is True and all(h["ok"] and h["problem"] is None for h in report["hooks"])
+    assert report["tested"] == {"torch": True, "transformers": True, "torch_range": "2.13, 2.14, 2.15",
+                                "transformers_range": "transformers>=5.23,<5.25"}
+    import torch
+
+    assert report["torch"]["version"] == torch.__version__ and report["torch"]["cuda_build"] == torch.version.cuda
+
+
+def test_env_text_names_a_broken_hook_and_an_untested_version(monkeypatch):
+    import transformers
+    import transformers.modeling_utils as mu
+
+    from reshard.load.hooks import HOOKS
+
+    monkeypatch.delattr(mu, "get_device")
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name, real=importlib.metadata.version: "5.31.0" if name == "transformers" else real(name))
+    monkeypatch.setattr(transformers, "__version__", "5.31.0")
+    text = _env()
+    assert "- transformers: 5.31.0" in text
+    assert "- tested matrix: OUTSIDE" in text and "transformers>=5.23,<5.25: no" in text
+    assert f"- loader-patch hooks: {len(HOOKS) - 1} of {len(HOOKS)} present and as expected" in text
+    assert "    transformers.modeling_utils.get_device (called): it is missing" in text

@@ -1,0 +1,538 @@
+"""Damaged, tampered or hostile reshard folders are refused cleanly: `reshard.json` is parsed and validated as one
+typed value before anything uses it, and every header is compared with it wherever a folder is read.
+
+Every case must end in a `ReshardError` (exit 1 in the CLI) or in an exact load; never another exception, never a
+read outside the folder, never a hang (each case runs under an alarm). The property tests mutate manifests and
+headers over thousands of cases; the explicit tests pin each row of the fault table (`docs/faults.md`, "Damaged or
+hostile folders").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import reshard
+from reshard.api import write_checkpoint
+from reshard.cli import cli
+from reshard.errors import LoadError, ManifestError, ReshardError, VerifyError
+from reshard.load.loader import assemble_state_dict
+from reshard.manifest import MANIFEST_NAME, Manifest, file_crc32, read_manifest
+from reshard.plan.mesh import MeshSpec
+from reshard.read.dcp_source import read_dcp_source
+from reshard.verification import check_folder
+
+from conftest import rank_reports, run_ranks
+
+FSDP, EP = 4, 2
+VICTIM = "shard-00002-model-00001-of-00001.safetensors"
+CASE_SECONDS = 20  # far above any case (milliseconds): only a hang reaches it
+
+
+class Hang(Exception):
+    """A case ran past CASE_SECONDS."""
+
+
+@contextlib.contextmanager
+def alarm(seconds: int = CASE_SECONDS):
+    """Fail a case that hangs (a FIFO opened for reading, an absurd loop) instead of freezing the suite."""
+    def hang(signum, frame):
+        raise Hang(f"no answer within {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Written(tuple):
+    """(folder, source, exact tensors), shown by its folder alone in a falsifying example."""
+
+    def __repr__(self):
+        return f"Written({self[0]})"
+
+
+@pytest.fixture(scope="module")
+def written(tiny, tmp_path_factory):
+    """A qwen3_moe folder on fsdp 4 x ep 2 (written once), its source, and its exact tensors (read before any
+    damage)."""
+    src = tiny("qwen3_moe")
+    out = tmp_path_factory.mktemp("integrity") / "out"
+    write_checkpoint(src, out, MeshSpec(fsdp=FSDP, ep=EP), progress=False)
+    return Written((out, src, assemble_state_dict(out)))
+
+
+def copy_folder(out: Path, dest: Path, *, real: tuple[str, ...] = ()) -> Path:
+    """`out` as `dest`: the manifest and the `real` files copied, every other file a link to the original (a link
+    inside the folder may point anywhere: the user's choice, allowed)."""
+    dest.mkdir(parents=True)
+    for path in out.iterdir():
+        if path.name == MANIFEST_NAME or path.name in real:
+            shutil.copyfile(path, dest / path.name)
+        else:
+            os.symlink(path, dest / path.name)
+    return dest
+
+
+def load_doc(folder: Path) -> dict:
+    return json.loads((folder / MANIFEST_NAME).read_text())
+
+
+def save_doc(folder: Path, doc) -> None:
+    (folder / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+def restamp(folder: Path, name: str) -> None:
+    """Set the manifest's size and CRC-32 of `name` to the file's: only the header check can catch what changed."""
+    doc = load_doc(folder)
+    for entry in doc["files"]:
+        if entry["name"] == name:
+            entry["bytes"], entry["crc32"] = (folder / name).stat().st_size, file_crc32(folder / name)
+    save_doc(folder, doc)
+
+
+def split_file(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def join_file(path: Path, header: dict, data: bytes, *, pad_to: int | None = None) -> None:
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if pad_to is not None:
+        text += b" " * (pad_to - len(text))
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def flip_dtype(folder: Path) -> str:
+    """Tamper as in the issue: one F32 tensor of VICTIM relabelled I32 (same byte count), its CRC re-stamped.
+    Returns the tensor's name."""
+    path = folder / VICTIM
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header, data = split_file(path)
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    header[name]["dtype"] = "I32"
+    join_file(path, header, data, pad_to=length)  # same length: every data offset stays where it was
+    restamp(folder, VICTIM)
+    return name
+
+
+def reader_load(folder: Path, reference: dict) -> dict:
+    """`dcp.load` with `reshard.StorageReader` in one process, into tensors shaped like `reference`."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: torch.empty_like(t) for name, t in reference.items()}
+    dcp.load(state, storage_reader=reshard.StorageReader(folder))
+    return state
+
+
+def reader_error(folder: Path, reference: dict) -> BaseException:
+    """The error of a reader load: DCP wraps each rank's exception in its CheckpointException (a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        reader_load(folder, reference)
+    except ReshardError as e:
+        return e
+    except CheckpointException as e:
+        (exc, _), = e.failures.values()
+        return exc
+    raise AssertionError(f"{folder} loaded through the reader")
+
+
+def cli_run(*args) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
+        f"{args}: raw {type(result.exception).__name__}: {result.exception}"
+    return result.exit_code, result.output  # stdout and stderr, as a terminal shows them
+
+
+def assert_exact(state: dict, reference: dict) -> None:
+    assert state.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+
+
+# ---- row 1: a dtype flipped in a header, the CRC re-stamped --------------------------------------------------------
+
+def test_a_flipped_dtype_with_its_crc_restamped_is_refused_by_verify_the_load_and_the_reader(written, tmp_path):
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "flip", real=(VICTIM,))
+    name = flip_dtype(folder)
+    said = f"{name} is I32 in the header, F32 in the manifest"
+    code, text = cli_run("verify", folder)
+    assert code == 1 and said in text, text
+    with pytest.raises(LoadError, match=said):
+        reshard.from_pretrained(folder)
+    assert isinstance(error := reader_error(folder, reference), LoadError) and said in str(error)
+    with pytest.raises(ReshardError, match="I32 in the header"):
+        read_dcp_source(folder)  # merge and a write from this folder (mesh to mesh) read it so
+
+
+@pytest.mark.multirank
+def test_a_flipped_dtype_stops_every_rank_of_a_four_rank_load_with_one_agreed_error(written, tmp_path):
+    out, src, _ = written
+    folder = copy_folder(out, tmp_path / "flip", real=(VICTIM,))
+    name = flip_dtype(folder)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    result = run_ranks("load_reshard.py", FSDP, "reshard", folder, src, reports, FSDP, EP, timeout=180, check=False)
+    assert result.returncode != 0
+    for report in rank_reports(reports, FSDP):
+        assert report["error"].startswith("LoadError"), report
+        assert f"rank 1: {VICTIM}: {name} is I32 in the header, F32 in the manifest" in report["error"], report
+
+
+# ---- rows 3 and 4: names outside the folder, files that are not regular ---------------------------------------------
+
+@pytest.mark.parametrize("where", ["absolute", "parent", "dev-zero"])
+def test_a_name_outside_the_folder_is_refused_before_any_read(written, tmp_path, where):
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "x" / "folder")
+    outside = tmp_path / "elsewhere" / VICTIM
+    outside.parent.mkdir()
+    shutil.copyfile(out / VICTIM, outside)  # a read through the name would find a valid file there
+    (folder / VICTIM).unlink()
+    name = {"absolute": str(outside), "parent": f"../../elsewhere/{VICTIM}", "dev-zero": "/dev/zero"}[where]
+    doc = load_doc(folder)
+    entry = next(e for e in doc["files"] if e["name"] == VICTIM)
+    entry["name"] = name
+    doc["coords"][entry["coord"]]["files"] = [name]
+    save_doc(folder, doc)
+    with alarm():
+        for args in (("verify", folder), ("files", folder, "--ranks", "0-3")):
+            code, text = cli_run(*args)
+            assert code == 1 and f"files[{doc['files'].index(entry)}].name is {name!r}" in text, (args, text)
+        with pytest.raises(LoadError, match="plain file name inside the folder"):
+            reshard.from_pretrained(folder)
+        assert isinstance(reader_error(folder, reference), LoadError)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero", "folder"])
+def test_a_file_that_is_not_a_regular_file_is_refused_without_blocking(written, tmp_path, kind):
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / VICTIM).unlink()
+    {"fifo": lambda p: os.mkfifo(p), "link-to-dev-zero": lambda p: os.symlink("/dev/zero", p),
+     "folder": lambda p: p.mkdir()}[kind](folder / VICTIM)
+    with alarm():  # opening a FIFO for reading blocks until a writer comes: it must never be opened so
+        code, text = cli_run("verify", folder)
+        assert code == 1 and "not a regular file" in text, text
+        with pytest.raises(LoadError, match="not a regular file"):
+            reshard.from_pretrained(folder)
+        assert "not a regular file" in str(reader_error(folder, reference))
+        with pytest.raises(ReshardError, match="not a regular file"):
+            read_dcp_source(folder)
+
+
+def test_a_link_inside_the_folder_to_a_regular_file_elsewhere_loads(written, tmp_path):
+    out, _, reference = written
+    assert_exact(assemble_state_dict(copy_folder(out, tmp_path / "links")), reference)  # every shard is a link
+
+
+# ---- row 5: an absurd mesh ---------------------------------------------------------------------------------------
+
+def test_an_absurd_mesh_is_refused_before_anything_expands(written, tmp_path):
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "huge")
+    doc = load_doc(folder)
+    doc["mesh"]["fsdp"] = 40_000_000
+    save_doc(folder, doc)
+    said = "mesh.fsdp is 40000000: the manifest lists 4 coordinates"
+    with alarm(10):  # answered in milliseconds: the coordinates listed bound the work
+        code, text = cli_run("verify", folder)
+        assert code == 1 and said in text, text
+        with pytest.raises(LoadError, match=said):
+            reshard.from_pretrained(folder)
+        with pytest.raises(LoadError, match=said):
+            reshard.StorageReader(folder)
+
+
+# ---- row 6: malformed manifests, in every command and the Python API --------------------------------------------
+
+def _set_first(section: str, key: str, value):
+    def mutate(doc):
+        entry = doc[section][0] if isinstance(doc[section], list) else next(iter(doc[section].values()))
+        (entry["placement"] if key in ("kind", "shard_dim") else entry)[key] = value
+        return doc
+    return mutate
+
+
+MALFORMED = {  # case -> (mutation, what the message names)
+    "a-list": (lambda doc: [], "the document is []"),
+    "no-files": (lambda doc: {k: v for k, v in doc.items() if k != "files"}, "files is missing"),
+    "no-tensors": (lambda doc: {k: v for k, v in doc.items() if k != "tensors"}, "tensors is missing"),
+    "no-mesh": (lambda doc: {k: v for k, v in doc.items() if k != "mesh"}, "mesh is missing"),
+    "coord-99": (_set_first("files", "coord", 99), "files[0].coord is 99"),
+    "kind-bogus": (_set_first("tensors", "kind", "bogus"), "placement.kind is 'bogus'"),
+    "shard-dim-7": (_set_first("tensors", "shard_dim", 7), "placement.shard_dim is 7"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_manifest_is_one_clear_error_everywhere(written, tmp_path, case):
+    out, _, _ = written
+    folder = copy_folder(out, tmp_path / "folder")
+    mutate, said = MALFORMED[case]
+    save_doc(folder, mutate(load_doc(folder)))
+    for args in (("verify", folder), ("files", folder, "--ranks", "0"), ("merge", folder, tmp_path / "merged")):
+        code, text = cli_run(*args)
+        assert code == 1 and said in text and "Nothing was changed" in text, (args, text)
+    assert not (tmp_path / "merged").exists()
+    for call in (read_manifest, reshard.verify, lambda f: reshard.merge_checkpoint(f, tmp_path / "merged"),
+                 reshard.from_pretrained, reshard.StorageReader):
+        with pytest.raises(ManifestError, match=said.replace("[", r"\[").replace("]", r"\]")) as caught:
+            call(folder)
+        assert isinstance(caught.value, VerifyError) and isinstance(caught.value, LoadError)
+
+
+def test_transformers_under_the_patch_validates_the_manifest_too(written, tmp_path):
+    """The patch read the manifest with a plain json.load (no version check): now through `read_manifest`."""
+    from transformers import AutoModelForCausalLM
+
+    out, _, _ = written
+    for case, mutate in (("version", lambda doc: {**doc, "version": 1}), ("mesh", MALFORMED["no-mesh"][0])):
+        folder = copy_folder(out, tmp_path / case)
+        save_doc(folder, mutate(load_doc(folder)))
+        with reshard.patch_transformers(), pytest.raises(ManifestError, match="version 1|mesh is missing"):
+            AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("extras, said", [
+    ([{"name": "../x.safetensors", "bytes": 8, "crc32": "00000000", "keys": ["mtp.w"]}], "extras[0].name is '../x"),
+    ([{"name": "/elsewhere/extra-00001-of-00001.safetensors", "bytes": 8, "crc32": "00000000", "keys": ["mtp.w"]}],
+     "extras[0].name is '/elsewhere"),
+    ([{"name": VICTIM, "bytes": 8, "crc32": "00000000", "keys": ["mtp.w"]}], "not a rank file"),
+    ([{"name": "extra-00001-of-00001.safetensors", "bytes": -1, "crc32": "00000000", "keys": ["mtp.w"]}],
+     "extras[0].bytes is -1"),
+    ([{"name": "extra-00001-of-00001.safetensors", "bytes": 8, "crc32": "00000000", "keys": []}],
+     "extras[0].keys is []"),
+    ({"name": "x"}, "extras is {'name': 'x'}"),
+])
+def test_a_hostile_extras_section_is_refused(written, extras, said):
+    out, _, _ = written
+    with pytest.raises(ManifestError, match=re.escape(said)):
+        Manifest({**load_doc(out), "extras": extras}, out)
+
+
+def test_the_constructor_validates_and_tolerates_unknown_sections(written):
+    out, _, _ = written
+    doc = load_doc(out)
+    assert Manifest({**doc, "a_later_section": {"anything": [1]}}, out).mesh == MeshSpec(fsdp=FSDP, ep=EP)
+    with pytest.raises(ManifestError, match="mesh.fsdp is 0"):
+        Manifest({**doc, "mesh": {**doc["mesh"], "fsdp": 0}}, out)
+
+
+# ---- property-based: mutated manifests and headers end in a ReshardError or an exact load ---------------------------
+
+HOSTILE_NAMES = ["/dev/zero", "/etc/passwd", "../x.safetensors", "..", ".", "", "a/b.safetensors", "a\\b", "x\0y",
+                 MANIFEST_NAME, VICTIM]
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 10), st.integers(-(2 ** 64), 2 ** 64),
+                   st.floats(allow_nan=True), st.sampled_from(HOSTILE_NAMES), st.text(max_size=8),
+                   st.sampled_from(["F32", "I32", "BF16", "F4", "dense", "expert", "replicated", "00000000"]),
+                   st.lists(st.integers(-1, 300), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
+                                                                                max_size=2))
+
+
+def _paths(value, prefix=()) -> list[tuple]:
+    """Every key path into a JSON value (the long per-key `source_layout` and `header_sha256` lists sampled)."""
+    out = [prefix] if prefix else []
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    else:
+        return out
+    if len(items) > 12 and prefix[-1:] not in (("files",), ("coords",), ("order",)):
+        items = items[:3] + items[-3:]
+    for key, child in items:
+        out += _paths(child, prefix + (key,))
+    return out
+
+
+def _apply(doc, path: tuple, action: str, value):
+    *parents, last = path
+    node = doc
+    for key in parents:
+        node = node[key]
+    if action == "delete":
+        del node[last]
+    elif action == "retype":
+        node[last] = [node[last]] if not isinstance(node[last], list) else json.dumps(node[last])
+    elif action == "bump":
+        node[last] = node[last] + value if isinstance(node[last], int) and not isinstance(node[last], bool) else value
+    else:
+        node[last] = value
+
+
+# The reader plans from the manifest alone (no header opened to plan): a manifest shape tampered away from the
+# model's is refused by DCP's planner, comparing it with the model, before any byte is read (one that still fits the
+# model meets the header check as it is read). That refusal is torch's own ValueError, naming the tensor and both sizes.
+DCP_MODEL_MISMATCH = "Size mismatch between saved"
+OUTCOMES: dict[str, int] = {}  # how many cases ended each way (printed with -s: the mix the mutations reach)
+
+
+def outcome(folder: Path, reference: dict, *, reader: bool = True) -> str:
+    """`refused` (a ReshardError) or `exact` for each reader of a folder: verify, the one-process load, the storage
+    reader (`reader`: it costs most) and the source reader (merge, mesh to mesh); anything else fails the case."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    results = []
+    with alarm():
+        check_folder(folder)  # problems are returned; a raw exception fails
+        try:
+            assert_exact(assemble_state_dict(folder), reference)
+            results.append("exact")
+        except ReshardError:
+            results.append("refused")
+        try:
+            if reader:
+                assert_exact(reader_load(folder, reference), reference)
+                results.append("exact")
+        except ReshardError:
+            results.append("refused")
+        except CheckpointException as e:
+            raw = [exc for exc, _ in e.failures.values() if not isinstance(exc, ReshardError)
+                   and not str(exc).startswith(DCP_MODEL_MISMATCH)]
+            assert not raw, f"the reader raised {raw[0]!r}"
+            results.append("refused")
+        try:
+            read_dcp_source(folder)
+        except ReshardError:
+            pass
+    kind = "exact" if set(results) == {"exact"} else "refused" if set(results) == {"refused"} else "mixed"
+    OUTCOMES[kind] = OUTCOMES.get(kind, 0) + 1
+    return kind
+
+
+PROPERTY = dict(deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# deadline=None: the alarm above is the hang guard; a deadline would only make a busy CI machine flaky.
+
+
+@pytest.fixture(scope="module", autouse=True)
+def outcome_counts():
+    yield
+    print(f"\nmanifest integrity outcomes: {OUTCOMES}")
+
+
+@pytest.fixture(scope="module")
+def links(written, tmp_path_factory):
+    """A folder of links to `written` whose manifest each case rewrites."""
+    return copy_folder(written[0], tmp_path_factory.mktemp("links") / "p")
+
+
+@pytest.fixture(scope="module")
+def playground(written, tmp_path_factory):
+    """A folder of links to `written` whose manifest and VICTIM (a real copy) each case rewrites."""
+    return copy_folder(written[0], tmp_path_factory.mktemp("playground") / "p", real=(VICTIM,))
+
+
+@settings(max_examples=700, **PROPERTY)
+@given(data=st.data())
+def test_mutated_manifests_are_refused_or_load_exactly(written, links, data):
+    out, _, reference = written
+    doc = load_doc(out)
+    paths = _paths(doc)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        path = data.draw(st.sampled_from(paths), label="path")
+        action = data.draw(st.sampled_from(["delete", "set", "retype", "bump"]), label="action")
+        value = data.draw(VALUES, label="value")
+        try:
+            _apply(doc, path, action, value)
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier mutation removed or retyped this path
+        paths = _paths(doc) if isinstance(doc, (dict, list)) else []
+        if not paths:
+            break
+    save_doc(links, doc)
+    outcome(links, reference, reader=data.draw(st.integers(0, 2), label="reader") == 0)
+
+
+@settings(max_examples=500, **PROPERTY)
+@given(data=st.data())
+def test_mutated_manifest_bytes_are_refused_or_load_exactly(written, links, data):
+    out, _, reference = written
+    raw = bytearray((out / MANIFEST_NAME).read_bytes())
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        at = data.draw(st.integers(0, len(raw) - 1), label="at")
+        how = data.draw(st.sampled_from(["flip", "delete", "insert"]), label="how")
+        byte = data.draw(st.integers(0, 255), label="byte")
+        if how == "flip":
+            raw[at] ^= byte or 1
+        elif how == "delete":
+            del raw[at]
+        else:
+            raw.insert(at, byte)
+    (links / MANIFEST_NAME).write_bytes(bytes(raw))
+    outcome(links, reference, reader=data.draw(st.integers(0, 2), label="reader") == 0)
+
+
+DTYPES = ["F32", "I32", "U32", "F16", "BF16", "I64", "F64", "U8", "BOOL", "F4", "XX"]
+
+
+@settings(max_examples=200, **PROPERTY)
+@given(data=st.data())
+def test_mutated_headers_with_restamped_crcs_are_refused_or_load_exactly(written, playground, data):
+    out, _, reference = written
+    header, body = split_file(out / VICTIM)
+    names = sorted(k for k in header if k != "__metadata__")
+    pad = None
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        name = data.draw(st.sampled_from(names), label="tensor")
+        what = data.draw(st.sampled_from(["dtype", "offsets", "shape", "saved_offsets", "drop", "metadata", "bytes"]),
+                         label="what")
+        if name not in header:
+            continue
+        entry = header[name]
+        if what == "dtype":
+            entry["dtype"] = data.draw(st.sampled_from(DTYPES), label="dtype")
+        elif what == "offsets":
+            i = data.draw(st.integers(0, 1), label="which")
+            entry["data_offsets"][i] += data.draw(st.integers(-64, 64), label="delta")
+        elif what == "shape" and entry["shape"]:
+            i = data.draw(st.integers(0, len(entry["shape"]) - 1), label="dim")
+            entry["shape"][i] = max(0, entry["shape"][i] + data.draw(st.integers(-2, 2), label="delta"))
+        elif what == "saved_offsets":
+            try:  # an earlier "metadata" mutation may have left no offsets to shift
+                info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+                offsets = info[name]["saved_offsets"]
+                if not isinstance(offsets, list) or not offsets:
+                    continue
+                offsets[data.draw(st.integers(0, len(offsets) - 1), label="dim")] += data.draw(st.integers(-3, 3))
+            except (ValueError, KeyError, TypeError, IndexError):
+                continue
+            header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+        elif what == "drop":
+            del header[name]
+        elif what == "metadata":
+            header["__metadata__"]["DCP_SHARDING_INFO"] = data.draw(
+                st.sampled_from(["", "{", "[]", '{"x": 1}', "null", json.dumps({name: {"saved_offsets": "a"}})]))
+        else:
+            pad = data.draw(st.integers(0, 16), label="pad")  # spaces after the JSON: every offset shifts
+    path = playground / VICTIM
+    text = json.dumps(header, separators=(",", ":")).encode() + b" " * (pad or 0)
+    if data.draw(st.booleans(), label="raw edit"):
+        text = bytearray(text)
+        text[data.draw(st.integers(0, len(text) - 1), label="at")] ^= data.draw(st.integers(1, 255), label="bits")
+        text = bytes(text)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+    save_doc(playground, load_doc(out))
+    restamp(playground, VICTIM)
+    # the storage reader on a quarter of the cases: every header case is a valid manifest, so each one loads
+    outcome(playground, reference, reader=data.draw(st.integers(0, 3), label="reader") == 0)
