@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +96,42 @@ def two_file_source(src: Path, dest: Path) -> tuple[Path, list[str]]:
     for other in ("config.json", "generation_config.json"):
         shutil.copy2(src / other, dest / other)
     return dest, names
+
+
+def tensors_of(folder: Path) -> dict:
+    """Every tensor of every safetensors file in `folder`, by key."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def assert_equal_tensors(found: dict, expected: dict) -> None:
+    """The same keys, and each tensor of the same dtype and bit for bit equal."""
+    import torch
+
+    assert found.keys() == expected.keys(), sorted(found.keys() ^ expected.keys())[:4]
+    for key, tensor in expected.items():
+        assert found[key].dtype == tensor.dtype and torch.equal(found[key], tensor), key
+
+
+class Hang(Exception):
+    """A guarded block ran past its time: it hangs."""
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: int):
+    """Fail (instead of hanging) when the block takes longer: SIGALRM interrupts a blocking open of a FIFO or an
+    absurd loop."""
+    def expired(signum, frame):
+        raise Hang(f"no answer within {seconds} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

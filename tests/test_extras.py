@@ -29,6 +29,8 @@ from reshard.tiny import add_tensors, make_tiny_checkpoint, quantize_checkpoint
 from reshard.verification import check_folder
 from reshard.write.merge import merge_checkpoint
 
+from conftest import assert_equal_tensors, tensors_of
+
 UNEVEN = MeshSpec(fsdp=3)  # 4 experts over 3: stock leaves rank 2 empty
 SECOND = MeshSpec(fsdp=4, ep=2)
 
@@ -46,18 +48,6 @@ def mtp_tensors() -> dict[str, torch.Tensor]:
         "model.unused_calibration": torch.randn(3, 5, generator=g).half(),
     }
 
-
-def tensors_of(folder: Path) -> dict:
-    out = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
-def assert_equal_tensors(found: dict, expected: dict) -> None:
-    assert found.keys() == expected.keys(), sorted(found.keys() ^ expected.keys())[:4]
-    for key, tensor in expected.items():
-        assert found[key].dtype == tensor.dtype and torch.equal(found[key], tensor), key
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ tests.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -34,22 +33,9 @@ from reshard.read.checkpoint import read_checkpoint
 from reshard.verification import check_folder
 from reshard.write.merge import merge_checkpoint
 
+from conftest import hang_guard
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def within(seconds: int):
-    """Fail (instead of hanging) when the block takes longer: SIGALRM interrupts a blocking open of a FIFO."""
-    def expired(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: it hangs")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def invoke(*args):
@@ -151,7 +137,7 @@ def fifo_source(src: Path, dest: Path, name: str) -> Path:
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
 def test_a_fifo_in_the_source_is_refused_not_waited_on(tiny, tmp_path, name):
     source = fifo_source(tiny("qwen3_moe", experts=2), tmp_path / "src", name)
-    with within(60):
+    with hang_guard(60):
         for args in (["plan", source, "--fsdp", "2"], ["write", source, tmp_path / "out", "--fsdp", "2", "-q"]):
             result = invoke(*args)
             assert result.exit_code == 1, result.output

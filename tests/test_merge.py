@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
@@ -27,18 +27,8 @@ from reshard.write.merge import merge_checkpoint
 from reshard.plan.mesh import MeshSpec
 from reshard.verification import check_folder
 
+from conftest import assert_equal_tensors, tensors_of
 
-def tensors_of(folder: Path) -> dict:
-    out = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
-def assert_equal_tensors(found: dict, expected: dict) -> None:
-    assert found.keys() == expected.keys(), sorted(found.keys() ^ expected.keys())[:4]
-    for key, tensor in expected.items():
-        assert found[key].dtype == tensor.dtype and torch.equal(found[key], tensor), key
 
 
 def nothing_beside(dest: Path) -> None:

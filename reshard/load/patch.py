@@ -25,8 +25,6 @@ import os
 import threading
 from contextlib import contextmanager
 
-from ..errors import ReshardError
-
 # The manifest of the reshard folder being loaded, set around `from_pretrained`.
 _active_manifest: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reshard_manifest", default=None)
 # Tensor name -> the dim FSDP splits, for the tensors the manifest splits on a dim other than 0.

@@ -151,6 +151,7 @@ class StorageReader(HuggingFaceStorageReader):
         self.unchecked_files: list[str] = []
         self._kinds: dict[tuple, _KindChunks] = {}
         self._own: int | None = None
+        self._headers: dict[str, tuple[FileHeader, bytes]] = {}
         self._position = {name: i for i, name in enumerate(manifest.data["order"])}
         self._runs: dict[int, tuple[list[int], list[dict]]] = {}
         for entry in sorted(manifest.files, key=lambda e: (e["coord"], e["first"])):
@@ -191,6 +192,22 @@ class StorageReader(HuggingFaceStorageReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if self.manifest is not None:
             self._own = self._own_coord()
+            self._headers = self._checked_headers()
+
+    def _checked_headers(self) -> dict[str, tuple[FileHeader, bytes]]:
+        """The headers this rank reads (its own coordinate's files; every file off the fast path), each compared
+        with the manifest before DCP plans anything: a tampered shape or dtype is a `LoadError` here, never a
+        planner's size mismatch or a wrong tensor. Kept for `_read_file`, so each header is still read once."""
+        headers = {}
+        for entry in self.manifest.files:
+            if self._own is not None and entry.coord != self._own:
+                continue
+            try:
+                with _open(self.manifest.path / entry.name) as fh:
+                    headers[entry.name] = self._header(fh, entry.name, entry)
+            except OSError as e:
+                raise LoadError(f"{entry.name} cannot be read ({e.strerror or e})") from e
+        return headers
 
     def _own_coord(self) -> int | None:
         """This rank's coordinate when the job is the mesh the folder was written for (global ranks), else None."""
@@ -292,8 +309,13 @@ class StorageReader(HuggingFaceStorageReader):
 
     def _read_file(self, name: str, items: list, planner, staging: _Staging) -> None:
         entry = self.manifest.file_entry(name)
+        checked = self._headers.pop(name, None)
         with _open(self.manifest.path / name) as fh:
-            header, head = self._header(fh, name, entry)
+            if checked is None:
+                header, head = self._header(fh, name, entry)
+            else:
+                header, head = checked
+                fh.seek(header.header_bytes)
             tensors = {t.name: t for t in header.tensors}
             spans: dict[tuple[int, int], list] = {}  # byte range -> the items reading exactly it
             for item in items:
