@@ -150,13 +150,14 @@ def install_phases(mode: str, model_cls) -> None:
          "adjust_generation_fn (generation config)"),
     ]
     if mode != "stock":
+        import reshard.load.agreement as agreement
         import reshard.load.loader as rl
         import reshard.load.storage as storage
 
         targets += [
-            (rl, "read_manifest", "reshard: read_manifest"),
-            (rl, "_check_own_files", "reshard: check own files (size, header)"),
-            (rl, "gather", "reshard: all_gather_object"),
+            (agreement, "read_manifest", "reshard: read_manifest"),
+            (agreement, "_check_own_files", "reshard: check own files (size, header)"),
+            (agreement, "gather", "reshard: all_gather_object"),
             (rl, "_model_class", "reshard: _model_class"),
             (storage, "load_model_state", "reshard: dcp.load with reshard.StorageReader"),
             (storage.StorageReader, "read_metadata", "reshard: StorageReader.read_metadata (manifest)"),

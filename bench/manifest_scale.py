@@ -7,7 +7,8 @@ files, a few MB of disk), with `--ep 8` at fsdp 64, 256, 1024 and 4096, measures
 - chunk lists: `coordinate_chunks` of every coordinate, as the writers build them (one coordinate at a time, each
   when its file is written); before the first byte, a write needs only every coordinate's size
   (`coordinate_sizes`, by tensor kind) and the first coordinate's list;
-- manifest: the document for one file per coordinate, built and serialized (`_manifest` + `dump_manifest`), its size;
+- manifest: the document for one file per coordinate, built and serialized (`manifest_document` +
+  `dump_manifest`), its size;
 - load: what one rank does, parsing the manifest and deriving its own coordinate's chunks;
 - checks: `coverage_problems`, the structural part of `verify` and of the whole-model load;
 - before: the per-coordinate chunk lists as they were built before (every coordinate's boxes of every tensor, for
@@ -48,10 +49,9 @@ def main() -> None:
 
     from reshard.read.checkpoint import read_checkpoint
     from reshard.read.experts import find_experts
-    from reshard.manifest import Manifest, coverage_problems, dump_manifest
+    from reshard.manifest import Manifest, coverage_problems, dump_manifest, manifest_document
     from reshard.plan.mesh import MeshSpec
     from reshard.plan.placement import local_box, make_plan
-    from reshard.write.shards import _manifest
     from reshard.plan.files import coordinate_chunks, coordinate_sizes
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,14 +72,14 @@ def main() -> None:
             files = []
 
             def chunk_lists():
-                for coord in range(mesh.num_shard_groups):
+                for coord in range(mesh.num_coords):
                     chunks = coordinate_chunks(plan, coord)
                     files.append({"coord": coord, "name": f"shard-{coord + 1:05d}-model-00001-of-00001.safetensors",
                                   "bytes": 0, "crc32": "00000000", "first": 0, "count": len(chunks),
                                   "empty_markers": sum(0 in spec.shape for spec, _, _ in chunks)})
 
             chunks_s = timed(chunk_lists)[1]
-            text, manifest_s = timed(lambda: dump_manifest(_manifest(plan, index, files)))
+            text, manifest_s = timed(lambda: dump_manifest(manifest_document(plan, index, files)))
 
             def load():
                 data = json.loads(text)
@@ -94,10 +94,10 @@ def main() -> None:
 
             def before(coords=2):
                 for coord in range(coords):
-                    [tuple(raw(tp.tensor.shape, tp.planned, mesh, c) for c in range(mesh.num_shard_groups))[coord]
+                    [tuple(raw(tp.tensor.shape, tp.planned, mesh, c) for c in range(mesh.num_coords))[coord]
                      for tp in plan.tensors]
 
-            before_s = timed(before)[1] / 2 * mesh.num_shard_groups
+            before_s = timed(before)[1] / 2 * mesh.num_coords
             rows.append((fsdp, plan_s, first_s + sizes_s, chunks_s, manifest_s, len(text), load_s, check_s, before_s))
         print("| fsdp (ep 8) | plan s | before the first byte (sizes + first chunk list) s | all chunk lists s | manifest build + "
               "dump s | manifest MB | one rank's load of it s | coverage check s | before: all chunk lists s |")

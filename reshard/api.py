@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
+from .errors import ArchitectureError, UsageError
 from .read.checkpoint import CheckpointIndex, read_checkpoint
-from .errors import UsageError
 from .plan.mesh import MeshSpec
 from .plan.placement import LayoutMode, ReshardPlan, make_plan
 from .read.quant import OUTPUT_DTYPES, dequantized_view, detect_quantization
@@ -61,12 +63,12 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         overwrite: replace an existing `out` (only an empty folder or a complete reshard output).
         max_shard_size: split each rank's data into files of at most this many bytes.
         progress: a progress bar on stderr (None: when stderr is a terminal).
-        workers: processes writing in parallel on this machine (`reshard.write.parallel.write_with_workers`); 1
-            writes in this process, None picks `reshard.write.parallel.default_workers`. Above 1, call this under
+        workers: processes writing in parallel on this machine (`reshard.write.workers`); 1
+            writes in this process, None picks `reshard.write.workers.default_workers`. Above 1, call this under
             `if __name__ == "__main__":` (the workers are spawned). Not with `distributed`.
         distributed: this process is one rank of a job (torchrun) and every rank calls this with the same
             arguments: each reads `source` on its own node and writes its share of the files into `out`, on a file
-            system they all share (`reshard.write.parallel.write_distributed`). None (default): when the launcher's
+            system they all share (`reshard.write.distributed`). None (default): when the launcher's
             environment says so (`RANK`, `LOCAL_RANK`, `WORLD_SIZE` > 1), as `reshard write` and
             `reshard.from_pretrained` decide.
         dequantize: `bf16` to write a quantized source (FP8 block-scaled, MXFP4) as bf16 rank files in one pass;
@@ -86,47 +88,47 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     Example:
         >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
     """
-    from .errors import ArchitectureError
-    from .read.experts import find_experts
-    from .write.shards import write_shards
+    from .write.distributed import use_distributed, write_distributed
+    from .write.shards import WriteJob, write_shards
 
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
-
-    def read_and_plan():
-        from .read.dcp_source import dcp_kind, read_dcp_source
-
-        if dcp_kind(source):  # a reshard folder or a saved distributed checkpoint: from mesh to mesh
-            index, layout = read_dcp_source(source)
-            return make_plan(layout, mesh, mode=mode, drop_unloaded=drop_unloaded), index
-        index = read_source(source, revision=revision, need_data=True)
-        if index.quantization is not None:
-            if dequantize is None:
-                raise UsageError(f"{source} is quantized ({index.quantization.describe()}); FSDP2 trains bf16 "
-                                 "weights, so pass --dequantize bf16 to write bf16 rank files in one pass "
-                                 "(reshard.write_checkpoint(..., dequantize='bf16')).")
-            from .runs.dequant import check_decodable
-
-            check_decodable(index)
-        layout = find_experts(index)
-        if not layout.experts:
-            raise ArchitectureError(f"{source}: no routed experts found (not a MoE checkpoint); nothing to reshard.")
-        return make_plan(layout, mesh, mode=mode, quantization=index.quantization,
-                         drop_unloaded=drop_unloaded), index
-
-    if distributed is None:
-        from .load.loader import launcher_world_size
-
-        distributed = (launcher_world_size() or 1) > 1
-    if distributed:
-        if workers not in (None, 1):
-            raise UsageError(f"--workers {workers} is for a write on one machine; in a torchrun write every rank "
-                             "writes its share (for more writers per node, raise --nproc-per-node). Nothing was "
-                             "written.")
-        from .write.parallel import write_distributed
-
-        return write_distributed(read_and_plan, out, overwrite=overwrite, max_shard_size=max_shard_size,
+    read_plan = functools.partial(_read_and_plan, source, mesh, mode=mode, revision=revision, dequantize=dequantize,
+                                  drop_unloaded=drop_unloaded)
+    if use_distributed(distributed, workers, "write"):  # more workers per rank are refused before anything is read
+        return write_distributed(lambda: WriteJob(*read_plan(), max_shard_size), out, overwrite=overwrite,
                                  progress=progress)
-    plan, index = read_and_plan()
+    plan, index = read_plan()
     return write_shards(plan, index, out, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,
                         workers=workers)
+
+
+def _read_and_plan(source, mesh: MeshSpec, *, mode, revision, dequantize, drop_unloaded) -> tuple:
+    """(plan, index) for a write: what each rank of a distributed write runs on its own node, so its errors are
+    agreed like any other rank failure. A reshard folder or a saved distributed checkpoint goes from mesh to mesh."""
+    from .read.dcp_source import dcp_kind, read_dcp_source
+    from .read.experts import find_experts
+
+    if dcp_kind(source):
+        index, layout = read_dcp_source(source)
+        return make_plan(layout, mesh, mode=mode, drop_unloaded=drop_unloaded), index
+    index = _read_for_write(source, revision, dequantize)
+    layout = find_experts(index)
+    if not layout.experts:
+        raise ArchitectureError(f"{source}: no routed experts found (not a MoE checkpoint); nothing to reshard.")
+    return make_plan(layout, mesh, mode=mode, quantization=index.quantization, drop_unloaded=drop_unloaded), index
+
+
+def _read_for_write(source, revision: str | None, dequantize: str | None) -> CheckpointIndex:
+    """`read_source` with the data, refusing a quantized source unless `dequantize` says what to write it as (FSDP2
+    trains bf16 weights), and checking it can be decoded before any file is written."""
+    index = read_source(source, revision=revision, need_data=True)
+    if index.quantization is not None:
+        if dequantize is None:
+            raise UsageError(f"{source} is quantized ({index.quantization.describe()}); FSDP2 trains bf16 "
+                             "weights, so pass --dequantize bf16 to write bf16 rank files in one pass "
+                             "(reshard.write_checkpoint(..., dequantize='bf16')).")
+        from .runs.dequant import check_decodable
+
+        check_decodable(index)
+    return index

@@ -43,7 +43,7 @@ class ReshardGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            from .write.shards import sigterm_as_interrupt
+            from .signals import sigterm_as_interrupt
 
             with sigterm_as_interrupt():
                 return super().invoke(ctx)
@@ -405,7 +405,7 @@ def files_command(out, ranks, as_json):
     ranks = ranks.expand(manifest.mesh.world_size)  # bounded by the mesh before any span is expanded
     names = manifest.files_for_ranks(ranks)
     if as_json:
-        coords = sorted({manifest.mesh.shard_index(r) for r in ranks})
+        coords = sorted({manifest.mesh.coord_of(r) for r in ranks})
         sizes = sum((Path(out) / n).stat().st_size for n in names if (Path(out) / n).is_file())
         click.echo(json.dumps({"out": str(out), "ranks": ranks, "coords": coords, "files": names, "bytes": sizes},
                               indent=2))
@@ -427,9 +427,15 @@ def files_command(out, ranks, as_json):
 @click.option("--extras-from", "extras_from", metavar="FOLDER", default=None,
               help="For a saved SRC: the folder training started from, whose unloaded tensors (MTP layers) DEST "
                    "gets back.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes writing DEST's files on this machine (same output). Default: up to 4, by cores and "
+                   "size.")
+@click.option("--distributed/--no-distributed", default=None,
+              help="Merge as one rank of a torchrun job, into a shared DEST. Default: on when RANK, LOCAL_RANK "
+                   "and WORLD_SIZE > 1 are set.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
-def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, quiet, as_json):
+def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, workers, distributed, quiet, as_json):
     """Merge SRC, a distributed checkpoint, into DEST, a standard Hugging Face checkpoint.
 
     SRC is a reshard folder (`reshard write`) or a folder saved by transformers'
@@ -438,17 +444,23 @@ def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, qui
     the Hub, vLLM, SGLang and from_pretrained load. Every tensor is copied byte for byte from the chunks that cover
     it (never the whole model in memory); a tensor the chunks do not cover exactly (a rank file missing, overlapping
     saves, mixed dtypes) is an error naming it, before anything is written. DEST appears only when complete.
+    Several writers (--workers on one machine, or the ranks of a torchrun job) write shares of DEST's files into one
+    temporary folder; the result is the same, byte for byte.
     To resume on another mesh instead, `reshard write SRC OUT --fsdp F --ep E` takes the same SRC.
 
     \b
     Example:
       reshard merge ./ckpt-step1000 ./published            # original layout, 5GB files
       reshard verify ./published --against ./ckpt-step1000 # every tensor equal, byte for byte
+      torchrun --nproc-per-node 8 -m reshard merge ./ckpt-step1000 ./published
     """
     from .write.merge import merge_checkpoint
 
     summary = merge_checkpoint(src, dest, max_shard_size=max_shard_size, layout=layout, overwrite=overwrite,
-                               progress=False if quiet else None, extras_from=extras_from)
+                               progress=False if quiet else None, extras_from=extras_from, workers=workers,
+                               distributed=distributed)
+    if summary is None:
+        return  # another rank of a distributed merge: rank 0 prints the summary
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

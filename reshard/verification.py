@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
-from .read.checkpoint import DTYPE_BITS, read_header
 from .errors import MeshError, ReshardError, UsageError, VerifyError
-from .manifest import MANIFEST_NAME, coverage_problems, header_problems, member_problem, open_member, read_manifest
-from .write.shards import COPY_BUFFER_BYTES
+from .manifest import (MANIFEST_NAME, coverage_problems, header_problems, member_problem, open_member, read_manifest,
+                       tied_from_record)
+from .plan.dtypes import DTYPE_BITS
+from .read.checkpoint import read_header
+from .runs.engine import COPY_BUFFER_BYTES
 from .runs.byte_runs import chunk_runs
 
 
@@ -115,6 +118,44 @@ def _crc32(path: Path, buffer: bytearray, bar) -> str:
     return f"{crc:08x}"
 
 
+@dataclass(frozen=True)
+class _Listed:
+    """The checks every file the manifest lists gets, rank file or extras file, and where their findings go.
+
+    `corrupt` takes CRC mismatches apart from `problems`: the structure is still sound, so `--against` still
+    compares bytes.
+    """
+
+    folder: Path
+    checksums: bool
+    buffer: bytearray  # one read buffer for every CRC
+    bar: object
+    problems: list[str]
+    corrupt: list[str]
+
+    def header(self, name: str, size: int, crc32: str, holds: str):
+        """The header of listed file `name`: present (else missing, with `holds` saying what it holds), a regular
+        file, of `size` bytes and CRC-32 `crc32` (when checksums are on), and a header that parses. None after a
+        problem, which is recorded."""
+        path = self.folder / name
+        if not path.exists():
+            self.problems.append(f"{name}: missing ({holds})")
+            return None
+        if problem := member_problem(self.folder, name):  # a FIFO or a device: refused before a byte is read
+            self.problems.append(problem)
+            return None
+        if path.stat().st_size != size:
+            self.problems.append(f"{name}: {path.stat().st_size} bytes, manifest says {size}")
+            return None
+        if self.checksums and _crc32(path, self.buffer, self.bar) != crc32:
+            self.corrupt.append(f"{name}: CRC-32 differs from the manifest (the file is corrupt)")
+        try:
+            return read_header(path)
+        except ReshardError as e:
+            self.problems.append(str(e))
+            return None
+
+
 def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequantized) -> tuple[int, int]:
     """Every check of `verify`, appending to `problems` and `corrupt`; returns (bytes compared, empty markers).
 
@@ -123,28 +164,15 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequa
     `DCP_SHARDING_INFO`; `coverage_problems` shows they put every element somewhere exactly once.
     """
     folder, data = manifest.path, manifest.data
-    buffer = bytearray(COPY_BUFFER_BYTES)
+    listed = _Listed(folder, checksums, bytearray(COPY_BUFFER_BYTES), bar, problems, corrupt)
     chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in data["tensors"]}
     headers = {}
     markers = 0
     problems += coverage_problems(data)
     for entry in manifest.files:
-        path = folder / entry.name
-        if not path.exists():
-            problems.append(f"{entry.name}: missing (rank(s) {list(manifest.coords[entry.coord].ranks)} read it)")
-            continue
-        if problem := member_problem(folder, entry.name):  # a FIFO or a device: refused before a byte is read
-            problems.append(problem)
-            continue
-        if path.stat().st_size != entry.bytes:
-            problems.append(f"{entry.name}: {path.stat().st_size} bytes, manifest says {entry.bytes}")
-            continue
-        if checksums and _crc32(path, buffer, bar) != entry.crc32:
-            corrupt.append(f"{entry.name}: CRC-32 differs from the manifest (the file is corrupt)")
-        try:
-            header = read_header(path)
-        except ReshardError as e:
-            problems.append(str(e))
+        header = listed.header(entry.name, entry.bytes, entry.crc32,
+                               f"rank(s) {list(manifest.coords[entry.coord].ranks)} read it")
+        if header is None:
             continue
         headers[entry.name] = header
         expected = manifest.chunks(entry)
@@ -157,39 +185,27 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequa
                 markers += 1
             else:
                 chunks[chunk.name].append((entry.coord, tuple(zip(chunk.offsets, chunk.shape)), entry.name))
-    _check_extras(folder, data, checksums, buffer, bar, problems, corrupt, headers, chunks)
+    _check_extras(listed, data, headers, chunks)
     compared = 0
     if against is not None and not problems:
         compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized)
     return compared, markers
 
 
-def _check_extras(folder, data, checksums, buffer, bar, problems, corrupt, headers, chunks) -> None:
-    """The manifest's extras files (tensors the model does not load, whole under their on-disk keys): each present,
-    of its size and CRC-32, holding exactly its keys. Each tensor joins `chunks` whole (coordinate -1: no rank reads
+def _check_extras(listed: _Listed, data: dict, headers: dict, chunks: dict) -> None:
+    """The manifest's extras files (tensors the model does not load, whole under their on-disk keys): each checked
+    as every listed file is, holding exactly its keys. Each tensor joins `chunks` whole (coordinate -1: no rank reads
     it), so `--against` compares its bytes like every chunk's."""
     for entry in data.get("extras") or ():
         name, keys = entry["name"], entry["keys"]
-        path = folder / name
-        if not path.exists():
-            problems.append(f"{name}: missing (it holds {len(keys)} tensor(s) the model does not load, e.g. {keys[0]})")
-            continue
-        if problem := member_problem(folder, name):
-            problems.append(problem)
-            continue
-        if path.stat().st_size != entry["bytes"]:
-            problems.append(f"{name}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
-            continue
-        if checksums and _crc32(path, buffer, bar) != entry["crc32"]:
-            corrupt.append(f"{name}: CRC-32 differs from the manifest (the file is corrupt)")
-        try:
-            header = read_header(path)
-        except ReshardError as e:
-            problems.append(str(e))
+        header = listed.header(name, entry["bytes"], entry["crc32"],
+                               f"it holds {len(keys)} tensor(s) the model does not load, e.g. {keys[0]}")
+        if header is None:
             continue
         found = {t.name: t for t in header.tensors}
         if sorted(found) != sorted(keys):
-            problems.append(f"{name}: header holds {sorted(set(found) ^ set(keys))[:3]} differently from the manifest")
+            listed.problems.append(f"{name}: header holds {sorted(set(found) ^ set(keys))[:3]} differently from the "
+                                   "manifest")
             continue
         headers[name] = header
         for key in keys:
@@ -199,21 +215,8 @@ def _check_extras(folder, data, checksums, buffer, bar, problems, corrupt, heade
 def _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized) -> int:
     """Compare each chunk's bytes with the bytes the source pieces give for that region; a dequantized chunk with
     the values `write --dequantize` computes from the source (its names are added to `dequantized`)."""
-    from .read.experts import find_experts
-
-    from .api import read_source
-
-    index = read_source(against, revision=revision, need_data=True)
-    source_layout = find_experts(index)
-    layout = {**source_layout.by_name(), **{t.name: t for t in source_layout.extras}}  # extras: under their keys
-    dequantizer = None
-    if index.quantization is not None:
-        from .runs.dequant import Dequantizer, check_decodable
-
-        check_decodable(index)
-        dequantizer = Dequantizer(index)
+    index, layout, dequantizer = _source_to_compare(against, revision)
     compared = 0
-    buffer = bytearray(COPY_BUFFER_BYTES)
     fds: dict[str, int] = {}
     try:
         for name, found in chunks.items():
@@ -233,36 +236,65 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
                     fds[str(folder / file)] = os.open(folder / file, os.O_RDONLY)
                 out_fd = fds[str(folder / file)]
                 if computed:  # recomputed from the source bytes, compared bit for bit
-                    position = entry.data_start
-                    for data in dequantizer.chunk_slabs(target, box):
-                        if os.pread(out_fd, len(data), position) != data:
-                            problems.append(f"{file}: {name} differs from its dequantized source at chunk {box}")
-                            break
-                        position += len(data)
-                        bar.update(len(data))
-                    compared += position - entry.data_start
+                    done, same = _same_slabs(dequantizer.chunk_slabs(target, box), out_fd, entry.data_start, bar)
+                    compared += done
+                    if not same:
+                        problems.append(f"{file}: {name} differs from its dequantized source at chunk {box}")
                     continue
                 for run in chunk_runs(target, box, index.tensors):
                     if run.file not in fds:
                         fds[run.file] = os.open(index.path_of(run.file), os.O_RDONLY)
-                    src_fd = fds[run.file]
-                    done = 0
-                    while done < run.nbytes:
-                        n = min(run.nbytes - done, len(buffer) // 2)
-                        a = os.pread(src_fd, n, run.src + done)
-                        b = os.pread(out_fd, n, entry.data_start + run.dst + done)
-                        if a != b:
-                            problems.append(f"{file}: {name} differs from the source at chunk {box}")
-                            break
-                        done += n
-                        bar.update(n)
+                    done, same = _same_run(fds[run.file], out_fd, run, entry.data_start, bar)
                     compared += done
+                    if not same:
+                        problems.append(f"{file}: {name} differs from the source at chunk {box}")
     finally:
         for fd in fds.values():
             os.close(fd)
         if dequantizer is not None:
             dequantizer.close()
     return compared
+
+
+def _source_to_compare(against, revision):
+    """(the source's index, its tensors by name with the extras under their keys, the `Dequantizer` of a quantized
+    source or None), checked decodable before any byte is compared."""
+    from .api import read_source
+    from .read.experts import find_experts
+
+    index = read_source(against, revision=revision, need_data=True)
+    source_layout = find_experts(index)
+    layout = {**source_layout.by_name(), **{t.name: t for t in source_layout.extras}}
+    if index.quantization is None:
+        return index, layout, None
+    from .runs.dequant import Dequantizer, check_decodable
+
+    check_decodable(index)
+    return index, layout, Dequantizer(index)
+
+
+def _same_slabs(slabs, out_fd: int, start: int, bar) -> tuple[int, bool]:
+    """Compare computed `slabs` with the written bytes from `start` on: (bytes that matched, whether all did)."""
+    position = start
+    for data in slabs:
+        if os.pread(out_fd, len(data), position) != data:
+            return position - start, False
+        position += len(data)
+        bar.update(len(data))
+    return position - start, True
+
+
+def _same_run(src_fd: int, out_fd: int, run, start: int, bar) -> tuple[int, bool]:
+    """Compare one byte run of the source with the written chunk that begins at `start`, half a copy buffer at a
+    time: (bytes that matched, whether all did)."""
+    done, step = 0, COPY_BUFFER_BYTES // 2
+    while done < run.nbytes:
+        n = min(run.nbytes - done, step)
+        if os.pread(src_fd, n, run.src + done) != os.pread(out_fd, n, start + run.dst + done):
+            return done, False
+        done += n
+        bar.update(n)
+    return done, True
 
 
 # ---- a merged (plain Hugging Face) folder: `reshard merge` output -------------------------------------------------
@@ -308,7 +340,7 @@ def check_merged(folder: str | os.PathLike, *, against: str | os.PathLike | None
 def _source_view(against, revision):
     """(index, layout, the on-disk keys of the source layout, the in-memory names a fused copy holds)."""
     from .read.checkpoint import read_checkpoint
-    from .read.dcp_source import _tied_from_record, dcp_kind, read_dcp_source
+    from .read.dcp_source import dcp_kind, read_dcp_source
     from .read.experts import find_experts
 
     if dcp_kind(against):
@@ -324,7 +356,7 @@ def _source_view(against, revision):
                               "recomputes every dequantized chunk.")
         layout = find_experts(index)
         original = {p.source for t in layout.tensors for p in t.pieces}
-        tied = set(_tied_from_record({t.name: [(p.source,) for p in t.pieces] for t in layout.tensors}))
+        tied = set(tied_from_record({t.name: [(p.source,) for p in t.pieces] for t in layout.tensors}))
     extras = {t.name for t in layout.extras}  # written back under their own keys in either layout
     return (index, layout, None if original is None else original | extras,
             ({t.name for t in layout.tensors} - tied) | extras)

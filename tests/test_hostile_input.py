@@ -245,12 +245,13 @@ INTERRUPTED_WRITE = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, {repo!r})
     import reshard.write.shards as w
-    w.INTERRUPT_CLEANUP_S = {budget!r}
+    import reshard.write.staged
+    reshard.write.staged.INTERRUPT_CLEANUP_S = {budget!r}
     ready = Path({marker!r})
-    stock_write_file = w._write_file
+    stock_write_file = w.write_rank_file
 
-    def many_files(path, items, copier):  # after the first real file, a temporary folder of 20,000 files
-        entry = stock_write_file(path, items, copier)
+    def many_files(path, items, engine):  # after the first real file, a temporary folder of 20,000 files
+        entry = stock_write_file(path, items, engine)
         if not ready.exists():
             for i in range({count}):
                 with open(path.parent / f"filler-{{i:05d}}.safetensors", "wb") as f:
@@ -259,7 +260,7 @@ INTERRUPTED_WRITE = textwrap.dedent("""
             time.sleep(120)  # the test signals long before; teardown kills it otherwise
         return entry
 
-    w._write_file = many_files
+    w.write_rank_file = many_files
     from reshard.cli import main
     sys.argv = ["reshard", "write", {src!r}, {out!r}, "--fsdp", "2", "-q"]
     main()

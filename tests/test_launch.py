@@ -85,7 +85,7 @@ def test_patched_transformers_from_pretrained_takes_the_manifests_mesh_under_tor
 def test_without_a_launcher_the_whole_model_loads_in_one_process(tiny, tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from reshard.load.loader import in_distributed_job
+    from reshard.launch import in_distributed_job
 
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(variable, raising=False)
@@ -212,3 +212,78 @@ def test_node_local_copies_load_exactly_reading_only_their_own_folder(tiny, tmp_
         assert report["opened"], "the audit hook saw no file opened"
         assert all(path.startswith(own) for path in report["opened"]), report["opened"]
         assert any(path.endswith(".safetensors") for path in report["opened"]), report["opened"]
+
+
+# ---- 4. `reshard.launch` on its own: the environment, owned groups, agreed messages -----------------------------
+
+def test_launcher_world_size_needs_all_three_variables_and_a_number(monkeypatch):
+    from reshard.launch import launcher_world_size
+
+    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    assert launcher_world_size() is None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launcher_world_size() is None  # LOCAL_RANK missing: not a launcher's environment
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launcher_world_size() == 4
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    assert launcher_world_size() is None
+
+
+def test_a_write_group_without_a_launcher_says_how_to_launch_it(monkeypatch):
+    import torch.distributed as dist
+
+    from reshard.errors import OutputError
+    from reshard.launch import gloo_group
+
+    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    assert not dist.is_initialized()
+    with pytest.raises(OutputError) as e:
+        gloo_group("write")
+    assert str(e.value) == ("a distributed write runs as one rank of a torchrun job, but RANK, LOCAL_RANK and "
+                            "WORLD_SIZE are not set. Launch it with `torchrun ... -m reshard write ...`, or drop "
+                            "--distributed.")
+    assert not dist.is_initialized()
+
+
+def test_an_owned_group_is_destroyed_on_failure_and_at_exit_on_success(monkeypatch):
+    import atexit
+
+    import reshard.launch as launch
+
+    destroyed, registered = [], []
+    monkeypatch.setattr(launch, "destroy_own_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(atexit, "register", registered.append)
+    with pytest.raises(KeyboardInterrupt):
+        with launch.group_owned(created=True):
+            raise KeyboardInterrupt
+    assert destroyed == [True] and registered == []
+    with launch.group_owned(created=True):
+        pass
+    assert destroyed == [True] and registered == [launch.destroy_own_group]
+    with pytest.raises(ValueError):
+        with launch.group_owned(created=False):  # the caller's own group: never touched
+            raise ValueError
+    assert destroyed == [True] and len(registered) == 1
+
+
+def test_an_agreed_failure_names_each_failing_rank_once_per_cause():
+    from reshard.errors import LoadError, OutputError
+    from reshard.launch import agreed_failure, raise_if_any
+
+    views = [None, "disk full", "disk full", "disk full", None, "no such file", "disk full"]
+    failure = agreed_failure(views, "cannot write", OutputError)
+    assert type(failure) is OutputError
+    assert str(failure) == ("5 of 7 rank(s) cannot write (ranks 1-3, 6: disk full; rank 5: no such file). Every rank "
+                            "stopped; nothing was kept.")
+    assert agreed_failure([None, None], "cannot write", OutputError) is None
+    raise_if_any([None, None, None])  # every rank fine: nothing raised
+    with pytest.raises(LoadError) as e:
+        raise_if_any(["written for 4 ranks", "written for 4 ranks"])
+    assert str(e.value) == "written for 4 ranks"  # the same on every rank: said once, as it is
+    with pytest.raises(LoadError) as e:
+        raise_if_any([None, "truncated"])
+    assert str(e.value) == ("1 of 2 rank(s) cannot load (rank 1: truncated). Every rank stops here. Run `reshard "
+                            "verify` on the folder, or write it again.")

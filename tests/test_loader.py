@@ -117,7 +117,7 @@ def test_balanced_layout_gives_every_rank_the_same_expert_bytes(tiny, tmp_path):
 
 def test_each_rank_checks_its_own_files(tiny, tmp_path):
     """What a rank reports before loading (the multi-rank test below shows every rank stopping on it)."""
-    from reshard.load.loader import _check_own_files
+    from reshard.load.agreement import _check_own_files
     from reshard.manifest import read_manifest
 
     out = tmp_path / "out"
@@ -141,16 +141,16 @@ def test_reads_through_the_staging_buffers_are_exact(tmp_path, layout):
     """The accelerator path on the host: chunks through two reused buffers (7 bytes here), the CRC worker behind."""
     import zlib
 
-    from reshard.load.local_read import _BackgroundCrc, _read_tensor, _Staging
+    from reshard.load.local_read import BackgroundCrc, Staging, read_tensor
 
     data = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
     path = tmp_path / "blob"
     path.write_bytes(b"skip" + data.numpy().tobytes())
     local = torch.full((10, 100), float("nan")) if layout == "contiguous" else torch.full((100, 10), float("nan")).t()
-    crc = _BackgroundCrc()
+    crc = BackgroundCrc()
     with open(path, "rb", buffering=0) as fh:
         fh.seek(4)
-        _read_tensor(fh, data.numel() * 4, local, crc, _Staging(7), "blob", in_place=False)
+        read_tensor(fh, data.numel() * 4, local, crc, Staging(7), "blob", in_place=False)
     assert torch.equal(local, data)
     assert crc.hexdigest() == f"{zlib.crc32(data.numpy().tobytes()):08x}"
 

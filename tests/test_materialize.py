@@ -167,8 +167,8 @@ def test_materialize_meta_is_idempotent():
 
 # --- real tensors on another device ----------------------------------------------------------------------------------
 # A CPU-only torch has one device that holds values, so the "made on the CPU, materialized on CUDA" case is split:
-# `_same_device` (the decision) is tested on device names, with the current CUDA device faked; the move itself is
-# tested by making `_same_device` say "elsewhere", and unfaked towards the one other device CPU torch has, meta.
+# `same_device` (the decision) is tested on device names, with the current CUDA device faked; the move itself is
+# tested by making `same_device` say "elsewhere", and unfaked towards the one other device CPU torch has, meta.
 # scripts/megatron_fsdp_buffer_check.py runs the real CPU -> CUDA case on a GPU.
 
 
@@ -185,18 +185,18 @@ def test_materialize_meta_is_idempotent():
     ("cuda:0", torch.device("cuda", 1), False),
     ("cuda:0", "cpu", False),
 ])
-def test_same_device_normalises_names(monkeypatch, tensor_device, target, same):
+def testsame_device_normalises_names(monkeypatch, tensor_device, target, same):
     monkeypatch.setattr(mat, "_current_index", lambda device_type: {"cuda": 1}.get(device_type, 0))
-    assert mat._same_device(torch.device(tensor_device), target) is same
+    assert mat.same_device(torch.device(tensor_device), target) is same
 
 
-def test_same_device_with_both_indices_does_not_ask_for_the_current_device(monkeypatch):
+def testsame_device_with_both_indices_does_not_ask_for_the_current_device(monkeypatch):
     def current(device_type):
         raise AssertionError("the current device was looked up")
 
     monkeypatch.setattr(mat, "_current_index", current)
-    assert mat._same_device(torch.device("cuda", 0), "cuda:1") is False
-    assert mat._same_device(torch.device("cuda", 1), torch.device("cuda", 1)) is True
+    assert mat.same_device(torch.device("cuda", 0), "cuda:1") is False
+    assert mat.same_device(torch.device("cuda", 1), torch.device("cuda", 1)) is True
 
 
 def block_with_real_parameter() -> Block:
@@ -209,7 +209,7 @@ def block_with_real_parameter() -> Block:
 
 
 def test_real_tensors_elsewhere_are_moved_with_their_values(monkeypatch, poisoned_empty_like):
-    monkeypatch.setattr(mat, "_same_device", lambda tensor_device, target: False)  # every real tensor is elsewhere
+    monkeypatch.setattr(mat, "same_device", lambda tensor_device, target: False)  # every real tensor is elsewhere
     block = block_with_real_parameter()
     bias, counts, real = block.router.expert_bias, block.router.counts, block.router.real
     report = materialize_meta_(block, "cpu")
@@ -231,7 +231,7 @@ def test_real_tensors_elsewhere_are_moved_with_their_values(monkeypatch, poisone
 
 
 def test_to_empty_moves_a_buffer_made_elsewhere(monkeypatch):
-    monkeypatch.setattr(mat, "_same_device", lambda tensor_device, target: False)
+    monkeypatch.setattr(mat, "same_device", lambda tensor_device, target: False)
     block = meta_block()
     with meta_only_to_empty():
         block.to_empty(device="cpu")

@@ -235,15 +235,15 @@ def test_an_interrupted_merge_leaves_nothing(written, tmp_path, monkeypatch):
 
     _, folder = written
     calls = []
-    real = merge._write_merged_file
+    real = merge.write_safetensors
 
-    def fail_second(path, tensors, copier):
+    def fail_second(path, *args, **kwargs):
         calls.append(path)
         if len(calls) == 2:
             raise KeyboardInterrupt("signal 15")
-        return real(path, tensors, copier)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(merge, "_write_merged_file", fail_second)
+    monkeypatch.setattr(merge, "write_safetensors", fail_second)
     with pytest.raises(KeyboardInterrupt):
         merge_checkpoint(folder, tmp_path / "dest", progress=False, max_shard_size=100_000)
     nothing_beside(tmp_path / "dest")

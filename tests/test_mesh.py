@@ -71,7 +71,7 @@ def test_frozen():
 ])
 def test_efsdp_and_world_size(kwargs, efsdp, world):
     spec = MeshSpec(**kwargs)
-    assert (spec.efsdp, spec.world_size, spec.num_shard_groups) == (efsdp, world, spec.fsdp)
+    assert (spec.efsdp, spec.world_size, spec.num_coords) == (efsdp, world, spec.fsdp)
 
 
 def test_describe_and_round_trip():
@@ -88,12 +88,12 @@ def test_axis_names_are_transformers_mesh_dim_names():
     assert Axis.EFSDP == "efsdp"
 
 
-def test_shard_index_replicas_share_coordinates():
+def test_coord_of_replicas_share_coordinates():
     spec = MeshSpec(fsdp=4, ep=2, dp_replicate=2)
-    assert [spec.shard_index(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [spec.coord_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     for rank in (-1, 8):
         with pytest.raises(MeshError, match=f"rank {rank} is outside the mesh of 8 ranks"):
-            spec.shard_index(rank)
+            spec.coord_of(rank)
 
 
 def _docstring_table(doc: str) -> dict[str, list[int]]:
@@ -112,7 +112,7 @@ def test_docstring_rank_table():
     assert "--fsdp 4 --ep 2" in mesh_module.__doc__
     spec = MeshSpec(fsdp=4, ep=2)
     for rank, fsdp, efsdp, ep in zip(*(table[k] for k in ("rank", "fsdp", "efsdp", "ep"))):
-        assert spec.shard_index(rank) == fsdp
+        assert spec.coord_of(rank) == fsdp
         assert spec.expert_coords(fsdp) == (efsdp, ep)
 
 
@@ -120,7 +120,7 @@ def test_ep_groups_are_contiguous_ranks():
     spec = MeshSpec(fsdp=16, ep=8)
     groups: dict[int, list[int]] = {}
     for rank in range(spec.world_size):
-        efsdp, ep = spec.expert_coords(spec.shard_index(rank))
+        efsdp, ep = spec.expert_coords(spec.coord_of(rank))
         groups.setdefault(efsdp, []).append(rank)
         assert 0 <= ep < 8 and 0 <= efsdp < spec.efsdp
     assert groups == {0: list(range(8)), 1: list(range(8, 16))}
@@ -204,7 +204,7 @@ def test_rank_layout_matches_transformers_device_meshes():
     for spec, ranks in zip(meshes, layouts):
         assert len(ranks) == spec.world_size
         for rank, got in enumerate(ranks):
-            shard = spec.shard_index(rank)
+            shard = spec.coord_of(rank)
             efsdp, ep = spec.expert_coords(shard)
             assert got["dense"] == {"pp": 0, "dp_replicate": rank // spec.fsdp, "fsdp": shard, "tp": 0}, (spec, rank)
             assert got["expert"] == {"pp": 0, "dp_replicate": rank // spec.fsdp, "efsdp": efsdp, "ep": ep}, (spec, rank)

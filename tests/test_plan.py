@@ -27,7 +27,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-from reshard.read.checkpoint import DTYPE_BITS, read_header
+from reshard.plan.dtypes import DTYPE_BITS
+from reshard.read.checkpoint import read_header
 from reshard.errors import MeshError
 from reshard.plan.layout import ModelLayout, Piece, Role, TargetTensor
 from reshard.plan.mesh import MeshSpec
@@ -281,12 +282,12 @@ def _check_tiling(shape, boxes, what):
 
 def _expert_bytes(plan, mesh, *, stock: bool) -> list[int]:
     """Per fsdp coordinate, the expert bytes it holds, from torch's local shapes."""
-    out = [0] * mesh.num_shard_groups
+    out = [0] * mesh.num_coords
     for tp in plan.tensors:
         if tp.tensor.role is not Role.EXPERT:
             continue
         placement = tp.stock if stock else tp.planned
-        for f in range(mesh.num_shard_groups):
+        for f in range(mesh.num_coords):
             t_shape, _ = torch_local(tp.tensor.shape, placement, mesh, f)
             out[f] += math.prod(t_shape) * DTYPE_BITS[tp.tensor.dtype] // 8
     return out

@@ -76,7 +76,7 @@ def test_stock_load_matches_planned_boxes(tiny, tmp_path, model_type, experts, f
     for rank, report in enumerate(reports):
         assert report["rank"] == rank and report["world"] == fsdp
         assert set(report["params"]) == set(params), "the plan and the loaded model disagree on the parameters"
-        f = mesh.shard_index(rank)
+        f = mesh.coord_of(rank)
         for name, tp in params.items():
             got = report["params"][name]
             where = f"rank {rank}: {name}"

@@ -425,4 +425,4 @@ def test_coordinate_sizes_equal_the_chunk_lists(tiny, mesh):
 
     plan = plan_checkpoint(tiny("glm4_moe"), mesh)
     assert coordinate_sizes(plan) == [sum(spec.nbytes for spec, _, _ in coordinate_chunks(plan, c))
-                                      for c in range(mesh.num_shard_groups)]
+                                      for c in range(mesh.num_coords)]

@@ -25,7 +25,9 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import reshard.write.files as output_files
 import reshard.write.shards as write_module
+from reshard.runs.engine import Engine
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
@@ -153,7 +155,7 @@ def test_disk_full_at_fsync(tiny, tmp_path, monkeypatch):
 def test_disk_full_in_the_copy_loop(tiny, tmp_path, monkeypatch):
     src = tiny("mixtral", experts=8)
     out = tmp_path / "out"
-    real_copy, copies = write_module._Copier._copy_some, []
+    real_copy, copies = Engine._copy_some, []
 
     def copy_some(self, src_fd, out_fd, n, src, dst):
         copies.append(n)
@@ -161,7 +163,7 @@ def test_disk_full_in_the_copy_loop(tiny, tmp_path, monkeypatch):
             raise enospc()
         return real_copy(self, src_fd, out_fd, n, src, dst)
 
-    monkeypatch.setattr(write_module._Copier, "_copy_some", copy_some)
+    monkeypatch.setattr(Engine, "_copy_some", copy_some)
     result = write_cli(src, out, "--fsdp", "5")
     assert result.exit_code == 1
     assert "no space left" in result.output.lower() and "Traceback" not in result.output
@@ -182,7 +184,7 @@ def test_disk_full_when_a_file_reserves_its_blocks(tiny, tmp_path, monkeypatch):
             return -1
         return os.ftruncate(fd, length) or 0  # reserve the size, as the kernel does
 
-    monkeypatch.setattr(write_module, "_fallocate", lambda: fallocate)
+    monkeypatch.setattr(output_files, "_fallocate", lambda: fallocate)
     result = write_cli(src, out, "--fsdp", "5")
     assert result.exit_code == 1 and len(reserved) == 3
     assert "no space left" in result.output.lower() and "Traceback" not in result.output
@@ -193,13 +195,13 @@ def test_every_file_reserves_exactly_its_size(tiny, tmp_path, monkeypatch):
     """The reserved size is the file's final size (a reservation past it would leave zeros behind the last tensor)."""
     src = tiny("mixtral", experts=8)
     reserved = {}
-    real_create = write_module.create_sized
+    real_create = output_files.create_sized
 
     def create_sized(path, size):
         reserved[Path(path).name] = size
         return real_create(path, size)
 
-    monkeypatch.setattr(write_module, "create_sized", create_sized)
+    monkeypatch.setattr(output_files, "create_sized", create_sized)
     write_checkpoint(src, tmp_path / "out", MeshSpec(fsdp=5), progress=False)
     written = {p.name: p.stat().st_size for p in (tmp_path / "out").glob("shard-*.safetensors")}
     assert reserved == written and len(written) == 5
@@ -226,16 +228,16 @@ SLOW_WRITE = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import reshard.write.shards as w
     first_file_written = Path({marker!r})
-    stock_write_file = w._write_file
+    stock_write_file = w.write_rank_file
 
-    def slow_write_file(path, items, copier):
-        entry = stock_write_file(path, items, copier)
+    def slow_write_file(path, items, engine):
+        entry = stock_write_file(path, items, engine)
         if not first_file_written.exists():
             first_file_written.write_text(str(path))
             time.sleep(120)  # the test signals it long before; teardown kills it otherwise
         return entry
 
-    w._write_file = slow_write_file
+    w.write_rank_file = slow_write_file
     from reshard.cli import main
     sys.argv = ["reshard", "write", {src!r}, {out!r}, "--fsdp", "4", "-q"]
     main()

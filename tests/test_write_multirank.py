@@ -15,7 +15,7 @@ import pytest
 
 from conftest import rank_reports, run_ranks
 from reshard.api import write_checkpoint
-from reshard.read.checkpoint import DTYPE_BITS
+from reshard.plan.dtypes import DTYPE_BITS
 from reshard.manifest import file_chunks
 from reshard.plan.mesh import MeshSpec
 

@@ -26,7 +26,7 @@ from conftest import RANK_SCRIPTS
 from reshard.api import plan_checkpoint
 from reshard.cli import cli
 from reshard.plan.mesh import MeshSpec
-from reshard.write.parallel import assign_shares, default_workers
+from reshard.write.workers import assign_shares, default_workers
 from reshard.plan.placement import summarize
 
 pytestmark = pytest.mark.multirank
@@ -446,3 +446,82 @@ def test_torchrun_write_stopped_while_ranks_wait(tiny, tmp_path):
         assert "interrupted (SIGTERM)" in report["stderr"]
         assert report["seconds"] < 60
     assert_nothing_left(out)
+
+
+# ---- merge: --workers N and a torchrun merge ---------------------------------------------------------------------
+
+MERGE_SOURCE = "mixtral-fsdp5-split"  # a reshard folder of 5 coordinates, split files
+MERGE_CASES = [("original", ["--max-shard-size", "60KB"]), ("fused", ["--max-shard-size", "100KB"]),
+               ("original-one-file", ["--max-shard-size", "1GB"])]
+
+
+@pytest.fixture(scope="module")
+def merge_references(references, tmp_path_factory):
+    """Each merge case with --workers 1 (in this process)."""
+    root = tmp_path_factory.mktemp("merge-reference")
+    folder = references[MERGE_SOURCE][1]
+    out = {}
+    for name, args in MERGE_CASES:
+        layout = name.split("-")[0]
+        result = CliRunner().invoke(cli, ["merge", str(folder), str(root / name), "--layout", layout, *args,
+                                          "--workers", "1", "-q"])
+        assert result.exit_code == 0, result.output
+        out[name] = root / name
+    assert len(list(out["original"].glob("model-*.safetensors"))) > 3, "the case must split into several files"
+    return folder, out
+
+
+@pytest.mark.parametrize("name,args", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_merge_workers_write_the_same_bytes(merge_references, tmp_path, name, args):
+    folder, expected = merge_references
+    dest = tmp_path / "dest"
+    result = CliRunner().invoke(cli, ["merge", str(folder), str(dest), "--layout", name.split("-")[0], *args,
+                                      "--workers", "3", "-q"])
+    assert result.exit_code == 0, result.output
+    assert_identical(dest, expected[name])
+    assert beside(dest) == []
+
+
+def test_merge_workers_in_a_distributed_merge_are_refused(merge_references, tmp_path):
+    folder, _ = merge_references
+    result = CliRunner().invoke(cli, ["merge", str(folder), str(tmp_path / "dest"), "--distributed", "--workers", "2"])
+    assert result.exit_code == 2 and "--workers 2 is for a merge on one machine" in result.output, result.output
+    assert not (tmp_path / "dest").exists()
+
+
+def test_torchrun_merge(merge_references, tiny, tmp_path):
+    """A 4-rank torchrun job merges every case (each byte-identical to one process), then two merges that fail on
+    every rank together: a full disk on the rank writing the second file, and a source with a flipped byte."""
+    folder, expected = merge_references
+    ranks, outs = 4, tmp_path / "outs"
+    cases = [{"argv": ["merge", str(folder), str(outs / name), "--layout", name.split("-")[0], *args, "-q"]}
+             for name, args in MERGE_CASES]
+    cases.append({"argv": ["merge", str(folder), str(outs / "disk-full"), *MERGE_CASES[0][1], "-q"],
+                  "fault": "enospc:1"})
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    victim = sorted(damaged.glob("shard-00002-*.safetensors"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    cases.append({"argv": ["merge", str(damaged), str(outs / "from-damaged"), "-q"]})
+    report_dir = tmp_path / "reports"
+    result = torchrun(ranks, str(WRITE_CLI), str(write_cases(tmp_path / "cases.json", cases)), str(report_dir),
+                      timeout=300)
+    assert result.returncode == 0, result.stderr[-6000:]
+    for i, (name, _) in enumerate(MERGE_CASES):
+        got = reports(report_dir, i, ranks)
+        assert [g["exit"] for g in got] == [0] * ranks, [g["stderr"] for g in got]
+        assert_identical(outs / name, expected[name])
+        assert beside(outs / name) == []
+        assert [len(g["bars"]) for g in got] == [1, 0, 0, 0], "only rank 0 may show a progress bar"
+    enospc, restamped = (reports(report_dir, i, ranks) for i in range(len(MERGE_CASES), len(cases)))
+    assert [g["exit"] for g in enospc] == [1] * ranks
+    for g in enospc:
+        assert "1 of 4 rank(s) failed while writing (rank " in g["stderr"], g["stderr"]
+        assert "no space left on the device" in g["stderr"] and "Traceback" not in g["stderr"]
+    assert_nothing_left(outs / "disk-full")
+    assert [g["exit"] for g in restamped] == [1] * ranks, [g["stderr"] for g in restamped]
+    for g in restamped:  # damage is never re-stamped: the damaged file named, nothing kept
+        assert "failed while writing" in g["stderr"] and victim.name in g["stderr"] and "CRC-32" in g["stderr"]
+    assert_nothing_left(outs / "from-damaged")

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import reshard.write.shards as write_module
+import reshard.write.staged as staged
 from reshard.api import plan_checkpoint, write_checkpoint
 from reshard.read.checkpoint import METADATA_PATTERNS, parse_header, read_checkpoint
 from reshard.cli import cli
@@ -129,7 +130,7 @@ def test_free_space_check_counts_the_copied_files(tiny, tmp_path, monkeypatch):
     src = cluttered_source(tiny("qwen3_moe", experts=2), tmp_path / "src")
     (src / "big.txt").write_bytes(b"x" * (3 << 20))  # larger than every shard together
     plan = plan_checkpoint(src, MESH, need_data=True)
-    data = sum(spec.nbytes for c in range(MESH.num_shard_groups) for spec, _, _ in
+    data = sum(spec.nbytes for c in range(MESH.num_coords) for spec, _, _ in
                write_module.coordinate_chunks(plan, c))
     needed = data + sum((src / name).stat().st_size for name in [*METADATA, "big.txt"])
     usage = namedtuple("usage", "total used free")
@@ -326,9 +327,9 @@ CASES = [(mode, step) for mode, steps in STEPS.items() for step in steps]
 
 def use_mode(monkeypatch, mode: str) -> None:
     if mode == "renames":  # a kernel or file system without RENAME_EXCHANGE
-        monkeypatch.setattr(write_module, "_exchange", lambda a, b: False, raising=False)
+        monkeypatch.setattr(staged, "exchange", lambda a, b: False)
     else:
-        assert write_module._renameat2() is not None, "this test needs Linux renameat2"
+        assert staged.renameat2() is not None, "this test needs Linux renameat2"
 
 
 @pytest.mark.parametrize("how", ["KeyboardInterrupt", "SIGTERM"])
@@ -352,7 +353,7 @@ def test_swap_interrupted_at_every_step(tiny, tmp_path, monkeypatch, mode, step,
             else:
                 raise KeyboardInterrupt(name)
 
-    monkeypatch.setattr(write_module, "_swap_hook", hook)
+    monkeypatch.setattr(staged, "swap_hook", hook)
     with pytest.raises(KeyboardInterrupt):
         write_checkpoint(src, out, MESH, overwrite=True, progress=False)
     held = how == "SIGTERM" and step == "old-moved"  # delivered once both renames are done
@@ -366,18 +367,18 @@ def test_swap_interrupted_at_every_step(tiny, tmp_path, monkeypatch, mode, step,
 SWAP_KILLER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import reshard.write.shards as w
+    import reshard.write.staged as w
     from reshard.api import write_checkpoint
     from reshard.plan.mesh import MeshSpec
 
     if {mode!r} == "renames":
-        w._exchange = lambda a, b: False
+        w.exchange = lambda a, b: False
 
     def hook(step):
         if step == {step!r}:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    w._swap_hook = hook
+    w.swap_hook = hook
     write_checkpoint({src!r}, {out!r}, MeshSpec(fsdp=4), overwrite=True, progress=False)
 """)
 
@@ -430,7 +431,7 @@ BLOCKED_WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    import reshard.write.shards as w
+    import reshard.write.staged as w
 
     ready, release = Path({ready!r}), Path({release!r})
 
@@ -441,7 +442,7 @@ BLOCKED_WRITER = textwrap.dedent("""
             while not release.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
 
-    w._swap_hook = hook
+    w.swap_hook = hook
     from reshard.cli import main
     sys.argv = ["reshard", "write", {src!r}, {out!r}, "--fsdp", "4", "--overwrite", "-q"]
     main()

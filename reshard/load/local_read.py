@@ -1,5 +1,5 @@
 """Helpers of the load path: reading a tensor's bytes straight into its local shard, with the CRC-32 computed on a
-worker thread as they pass (`reshard.load.storage`), and one agreed failure across the ranks.
+worker thread as they pass (`reshard.load.storage`).
 
 A reshard folder holds each rank's exact local shard, so each tensor is read once, with `readinto`, into the memory
 of its local shard (staged through host memory when the shard lives on an accelerator or is not contiguous).
@@ -13,7 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import LoadError
 
 
-def _fill(fh, view: memoryview, where: str) -> None:
+def fill(fh, view: memoryview, where: str) -> None:
+    """Read into all of `view` (`readinto` may return less than asked); a file that ends first is truncated."""
     done = 0
     while done < len(view):
         n = fh.readinto(view[done:])
@@ -29,7 +30,7 @@ def _flat_bytes(tensor):
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class _Staging:
+class Staging:
     """Two reusable host buffers for shards that cannot be read into directly (accelerator memory).
 
     Reused, so their pages fault in once rather than for every tensor (fresh pages cost more than the copy); two,
@@ -58,7 +59,7 @@ class _Staging:
         self._busy[slot] = future
 
 
-class _BackgroundCrc:
+class BackgroundCrc:
     """CRC-32 of byte blocks in the order given, computed on one worker thread while the caller reads on.
 
     zlib and file reads both release the GIL, so checksumming one tensor overlaps reading the next: on a machine
@@ -88,7 +89,7 @@ class _BackgroundCrc:
         self._pool.shutdown(wait=True)
 
 
-def _read_tensor(fh, nbytes: int, local, crc: _BackgroundCrc | None, staging: _Staging, where: str, *,
+def read_tensor(fh, nbytes: int, local, crc: BackgroundCrc | None, staging: Staging, where: str, *,
                  in_place: bool) -> None:
     """Read one tensor's `nbytes` (the file is positioned at them) into `local`, passing them to `crc`.
 
@@ -98,7 +99,7 @@ def _read_tensor(fh, nbytes: int, local, crc: _BackgroundCrc | None, staging: _S
 
     if local.is_contiguous() and in_place:
         view = memoryview(_flat_bytes(local).numpy())
-        _fill(fh, view, where)
+        fill(fh, view, where)
         if crc:
             crc.update(view)
     elif local.is_contiguous():  # accelerator memory: through the staging buffers, chunk by chunk
@@ -107,63 +108,14 @@ def _read_tensor(fh, nbytes: int, local, crc: _BackgroundCrc | None, staging: _S
             slot, buffer = staging.take()
             n = min(staging.nbytes, nbytes - done)
             view = memoryview(buffer.numpy())[:n]
-            _fill(fh, view, where)
+            fill(fh, view, where)
             staging.hold(slot, crc.update(view) if crc else None)
             dest[done:done + n].copy_(buffer[:n])
             done += n
     else:  # a strided local: the whole tensor staged, then copied in place
         whole = torch.empty(local.shape, dtype=local.dtype)
         view = memoryview(_flat_bytes(whole).numpy())
-        _fill(fh, view, where)
+        fill(fh, view, where)
         if crc:
             crc.update(view)  # the view keeps `whole` alive until its CRC is done
         local.copy_(whole)
-
-
-def gather(value) -> list:
-    """Every rank's `value`, in rank order (all_gather_object on the default group)."""
-    import torch.distributed as dist
-
-    values: list = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def _rank_list(ranks: list[int]) -> str:
-    """`[0, 1, 2, 5]` -> `ranks 0-2, 5`."""
-    spans: list[list[int]] = []
-    for r in ranks:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
-
-
-def failing_ranks(problems: list) -> dict[str, list[int]]:
-    """Each distinct problem in `problems` (one entry per rank, falsy where fine) with the ranks that have it."""
-    failed: dict[str, list[int]] = {}
-    for r, p in enumerate(problems):
-        if p:
-            failed.setdefault(p, []).append(r)
-    return failed
-
-
-def describe_failures(failed: dict[str, list[int]], ranks: int, what: str) -> str:
-    """`N of M rank(s) <what> (ranks 0-2: cause; rank 5: other cause)`, from `failing_ranks`."""
-    count = sum(len(r) for r in failed.values())
-    detail = "; ".join(f"{_rank_list(r)}: {p}" for p, r in failed.items())
-    return f"{count} of {ranks} rank(s) {what} ({detail})"
-
-
-def raise_if_any(problems: list) -> None:
-    """Raise LoadError, naming every failing rank, when any rank's entry is a problem (identical ones grouped)."""
-    failed = failing_ranks(problems)
-    if len(failed) == 1 and len(next(iter(failed.values()))) == len(problems):
-        raise LoadError(next(iter(failed)))  # the same on every rank (a world size or mesh mismatch): say it once
-    if failed:
-        raise LoadError(f"{describe_failures(failed, len(problems), 'cannot load')}. Every rank stops here. "
-                        "Run `reshard verify` on the folder, or write it again.")
-
-

@@ -102,7 +102,7 @@ def _current_index(device_type: str) -> int:
     return 0  # cpu, meta and single-device types
 
 
-def _same_device(tensor_device: torch.device, target: torch.device | str | int) -> bool:
+def same_device(tensor_device: torch.device, target: torch.device | str | int) -> bool:
     """Whether a tensor on `tensor_device` already lives where `to_empty(device=target)` would put it.
 
     `"cuda"` (no index) means the current CUDA device, so a tensor on `cuda:0` is there while device 0 is current and
@@ -201,34 +201,29 @@ def materialize_meta_(
     modules = module.named_modules() if recurse else [("", module)]
     # id -> (original, replacement); holding the original keeps its id from being reused during the walk.
     memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    materialized: list[str] = []
-    kept: list[str] = []
-    moved: list[str] = []
+    names: dict[str, list[str]] = {"materialized": [], "kept": [], "moved": []}
     for prefix, mod in modules:
         for slots, is_param in ((mod._parameters, True), (mod._buffers, False)):
             for key, tensor in slots.items():
                 if tensor is None:
                     continue
-                if id(tensor) in memo:
-                    slots[key] = memo[id(tensor)][1]
-                    continue
-                name = f"{prefix}.{key}" if prefix else key
-                if tensor.is_meta:
-                    if is_param:
-                        new = _materialize_parameter(tensor, device)
-                    else:
-                        new = torch.empty_like(tensor, device=device)
-                    materialized.append(name)
-                elif _same_device(tensor.device, device):
-                    memo[id(tensor)] = (tensor, tensor)
-                    kept.append(name)
-                    continue
-                else:
-                    new = _move_parameter(tensor, device) if is_param else tensor.to(device, copy=True)
-                    moved.append(name)
-                memo[id(tensor)] = (tensor, new)
-                slots[key] = new
-    return MaterializeReport(materialized=tuple(materialized), kept=tuple(kept), moved=tuple(moved))
+                if id(tensor) not in memo:  # a tied tensor met again gets the replacement it got the first time
+                    new, outcome = _placed(tensor, device, is_param=is_param)
+                    memo[id(tensor)] = (tensor, new)
+                    names[outcome].append(f"{prefix}.{key}" if prefix else key)
+                slots[key] = memo[id(tensor)][1]
+    return MaterializeReport(**{outcome: tuple(found) for outcome, found in names.items()})
+
+
+def _placed(tensor: torch.Tensor, device, *, is_param: bool) -> tuple[torch.Tensor, str]:
+    """`tensor`'s replacement on `device`, and which `MaterializeReport` field names it: only a meta tensor gets
+    fresh storage (`materialized`); a real one on `device` is itself (`kept`), one elsewhere is copied (`moved`)."""
+    if tensor.is_meta:
+        new = _materialize_parameter(tensor, device) if is_param else torch.empty_like(tensor, device=device)
+        return new, "materialized"
+    if same_device(tensor.device, device):
+        return tensor, "kept"
+    return (_move_parameter(tensor, device) if is_param else tensor.to(device, copy=True)), "moved"
 
 
 # --- making nn.Module.to_empty meta-only -----------------------------------------------------------------------------
@@ -388,8 +383,6 @@ def patch_megatron_fsdp() -> bool:
 
     ```
     """
-    from reshard.errors import ReshardError
-
     try:
         megatron_fsdp = importlib.import_module("megatron_fsdp")
     except ImportError as e:
@@ -399,6 +392,15 @@ def patch_megatron_fsdp() -> bool:
             reason = f"megatron_fsdp failed to import ({e})"
         warnings.warn(f"{reason}; patch_megatron_fsdp() changed nothing", stacklevel=2)
         return False
+
+    _require_supported(megatron_fsdp)
+    patch_to_empty()
+    return True
+
+
+def _require_supported(megatron_fsdp) -> None:
+    """Refuse a megatron-fsdp whose meta-init path this patch was not checked against (it may not use `to_empty`)."""
+    from reshard.errors import ReshardError
 
     try:
         version = _distribution_version("megatron-fsdp")
@@ -414,8 +416,6 @@ def patch_megatron_fsdp() -> bool:
             f"megatron-fsdp=={MEGATRON_FSDP_KNOWN_VERSION}, or check that this version still materializes meta "
             "modules with `to_empty` and, if so, call reshard.patch_to_empty() yourself."
         )
-    patch_to_empty()
-    return True
 
 
 # --- detecting the damage --------------------------------------------------------------------------------------------

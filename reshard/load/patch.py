@@ -1,4 +1,5 @@
-"""What reshard adds to transformers' distributed loading (tested with 5.23 and 5.24). Explicit and idempotent; nothing on import.
+"""What reshard adds to transformers' distributed loading (tested with 5.23 and 5.24). Explicit and idempotent;
+nothing on import.
 
 1. Balanced placement: while a reshard folder with a balanced layout loads, FSDP2's `fully_shard` gets a
    `shard_placement_fn` that shards each expert parameter on the dim the manifest names, so a rank's local
@@ -95,7 +96,8 @@ def install() -> bool:
         _set(mixin, "_load_model_checkpoint_distributed",
              _wrap_load_distributed(mixin.__dict__["_load_model_checkpoint_distributed"]))
         _set(mu, "get_model_conversion_mapping", _wrap_conversion_mapping(mu.__dict__["get_model_conversion_mapping"]))
-        _set(mu.PreTrainedModel, "from_pretrained", _wrap_from_pretrained(mu.PreTrainedModel.__dict__["from_pretrained"]))
+        _set(mu.PreTrainedModel, "from_pretrained",
+             _wrap_from_pretrained(mu.PreTrainedModel.__dict__["from_pretrained"]))
         return True
 
 
@@ -223,7 +225,7 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
     import torch
     import transformers.modeling_utils as mu
 
-    from .materialize import _same_device
+    from .materialize import same_device
 
     original = _originals[(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device")]
     if (mu.is_deepspeed_zero3_enabled() and hf_quantizer is None) or (
@@ -234,7 +236,7 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
     def place(key, tensor, make_empty):
         device = mu.get_device(device_map, key, valid_torch_device=True)
         if not _is_meta(tensor):
-            if not mu.is_dtensor(tensor) and not _same_device(tensor.device, device):
+            if not mu.is_dtensor(tensor) and not same_device(tensor.device, device):
                 moved = tensor.to(device)
                 if isinstance(tensor, torch.nn.Parameter):
                     moved = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
@@ -328,7 +330,7 @@ def _multi_rank() -> bool:
     """This call runs in a multi-rank job: a process group exists, or a launcher set WORLD_SIZE > 1."""
     import torch.distributed as dist
 
-    from .loader import launcher_world_size
+    from ..launch import launcher_world_size
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
@@ -337,15 +339,16 @@ def _multi_rank() -> bool:
 
 def _is_candidate(folder) -> bool:
     """A local folder that is, or may be on other ranks, a reshard folder: all ranks must then agree on it."""
-    from .loader import has_shard_files
     from ..manifest import MANIFEST_NAME
+    from .agreement import has_shard_files
 
     return (folder / MANIFEST_NAME).is_file() or has_shard_files(folder)
 
 
 def _agree(folder, distributed_config):
     """The agreed (manifest document, DistributedConfig) for a reshard folder, or (None, the config given)."""
-    from .loader import agree_to_load, in_distributed_job
+    from ..launch import in_distributed_job
+    from .agreement import agree_to_load
 
     in_distributed_job()  # create the process group from the launcher's environment, as transformers would
     agreed = agree_to_load(folder, distributed_config, require_manifest=False)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header, torch_dtype
 from ..errors import LoadError, ReshardError
-from .local_read import _BackgroundCrc, _fill, _read_tensor, _Staging
+from .local_read import BackgroundCrc, Staging, fill, read_tensor
 from ..manifest import MANIFEST_NAME, Manifest, header_problems, open_member, placement_of, read_manifest
 from ..runs.byte_runs import row_major_strides
 
@@ -67,7 +67,7 @@ class _KindChunks:
         self.holders: dict[tuple[int, ...], list[int]] = {}  # offsets -> coordinates holding that chunk
         self.sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
         sizes = self.sizes
-        for coord in range(mesh.num_shard_groups):
+        for coord in range(mesh.num_coords):
             box = local_box(shape, placement, mesh, coord)
             if any(n == 0 for _, n in box) and math.prod(shape):
                 continue  # an empty marker: nothing to read from it
@@ -216,7 +216,7 @@ class StorageReader(HuggingFaceStorageReader):
         mesh = self.manifest.mesh
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != mesh.world_size:
             return None
-        return mesh.shard_index(dist.get_rank())
+        return mesh.coord_of(dist.get_rank())
 
     def _file_of(self, name: str, offsets: tuple[int, ...]) -> str:
         holders = self._kind(name).holders.get(offsets)
@@ -243,7 +243,7 @@ class StorageReader(HuggingFaceStorageReader):
         names = sorted(per_file)
         threads = min(max(int(self.thread_count), 1), len(names))
         if threads <= 1:
-            staging = _Staging()
+            staging = Staging()
             for name in names:
                 self._read_checked(name, per_file[name], planner, staging)
         else:
@@ -262,7 +262,7 @@ class StorageReader(HuggingFaceStorageReader):
         failures: list[BaseException] = []
 
         def work():
-            staging = _Staging()
+            staging = Staging()
             while not failures:
                 try:
                     name = todo.get_nowait()
@@ -281,7 +281,7 @@ class StorageReader(HuggingFaceStorageReader):
         if failures:
             raise failures[0]
 
-    def _read_checked(self, name: str, items: list, planner, staging: _Staging) -> None:
+    def _read_checked(self, name: str, items: list, planner, staging: Staging) -> None:
         try:
             self._read_file(name, items, planner, staging)
         except ReshardError:
@@ -294,20 +294,20 @@ class StorageReader(HuggingFaceStorageReader):
         if size != entry["bytes"]:
             raise LoadError(f"{name} has {size} bytes, the manifest says {entry['bytes']}")
         prefix = bytearray(8)
-        _fill(fh, memoryview(prefix), name)
+        fill(fh, memoryview(prefix), name)
         (length,) = struct.unpack("<Q", prefix)
         if length > min(MAX_HEADER_BYTES, size - 8):
             raise LoadError(f"{name}: the header length prefix says {length} bytes but the file has {size}; it is "
                             "corrupt")
         raw = bytearray(length)
-        _fill(fh, memoryview(raw), name)
+        fill(fh, memoryview(raw), name)
         header = parse_header(bytes(raw), file=name, file_size=size)
         problems = header_problems(entry, self.manifest.chunks(entry), header)
         if problems:
             raise LoadError(f"{'; '.join(problems)}. Run `reshard verify {self.manifest.path}`, or write it again.")
         return header, bytes(prefix) + bytes(raw)
 
-    def _read_file(self, name: str, items: list, planner, staging: _Staging) -> None:
+    def _read_file(self, name: str, items: list, planner, staging: Staging) -> None:
         entry = self.manifest.file_entry(name)
         checked = self._headers.pop(name, None)
         with _open(self.manifest.path / name) as fh:
@@ -322,7 +322,7 @@ class StorageReader(HuggingFaceStorageReader):
                 spans.setdefault(_span(tensors[item.storage_index.fqn], item), []).append(item)
             ordered = sorted(spans)
             whole = [(t.data_start, t.data_start + t.nbytes) for t in header.tensors if t.nbytes]
-            crc = _BackgroundCrc() if self.check_checksums and [s for s in ordered if s[1] > s[0]] == whole else None
+            crc = BackgroundCrc() if self.check_checksums and [s for s in ordered if s[1] > s[0]] == whole else None
             try:
                 if crc:
                     crc.update(head)
@@ -357,13 +357,13 @@ class StorageReader(HuggingFaceStorageReader):
         direct = (torch_dtype(stored.dtype) == target.dtype and target.is_contiguous()
                   and nbytes == target.numel() * target.element_size())
         if direct:  # the range is exactly the target's elements, in order
-            _read_tensor(fh, nbytes, target, crc, staging, f"{name} ({stored.name})",
+            read_tensor(fh, nbytes, target, crc, staging, f"{name} ({stored.name})",
                          in_place=target.device.type == "cpu")
             source = target
         else:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
             view = memoryview(buffer.numpy())
-            _fill(fh, view, f"{name} ({stored.name})")
+            fill(fh, view, f"{name} ({stored.name})")
             if crc:
                 crc.update(view)  # the view keeps the buffer alive until its CRC is done
             source = _region(buffer, stored, first)
@@ -404,7 +404,7 @@ def load_model_state(model, manifest: Manifest, *, checksums: bool = True, stric
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from .local_read import raise_if_any
+    from ..launch import raise_if_any
 
     try:
         dcp.load(model.state_dict(), storage_reader=StorageReader(manifest, check_checksums=checksums),

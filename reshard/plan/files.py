@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..read.checkpoint import DTYPE_BITS
+from .dtypes import DTYPE_BITS
 from .layout import TargetTensor
 from .placement import Box, ReshardPlan, local_box
 
@@ -83,4 +83,4 @@ def coordinate_sizes(plan: ReshardPlan) -> list[int]:
         members[kind] += 1
     return [sum(count * math.prod(n for _, n in local_box(shape, placement, plan.mesh, coord)) * DTYPE_BITS[dtype] // 8
                 for (shape, placement, dtype), count in zip(kinds, members))
-            for coord in range(plan.mesh.num_shard_groups)]
+            for coord in range(plan.mesh.num_coords)]

@@ -85,19 +85,19 @@ class MeshSpec:
         return self.pp * self.dp_replicate * self.fsdp * self.tp
 
     @property
-    def num_shard_groups(self) -> int:
-        """Distinct shard coordinates; replicas share files, so this is the number of file groups."""
+    def num_coords(self) -> int:
+        """How many coordinates (file groups) the mesh has: ranks of different replicas share a coordinate's files."""
         return self.fsdp
 
-    def shard_index(self, rank: int) -> int:
-        """The fsdp coordinate of a global rank; ranks of different replicas with equal index share data."""
+    def coord_of(self, rank: int) -> int:
+        """The coordinate of a global rank (its fsdp index); ranks of different replicas may share one."""
         if not 0 <= rank < self.world_size:
             raise MeshError(f"rank {rank} is outside the mesh of {self.world_size} ranks.")
         return rank % self.fsdp
 
-    def expert_coords(self, shard_index: int) -> tuple[int, int]:
+    def expert_coords(self, coord: int) -> tuple[int, int]:
         """`(efsdp_index, ep_index)` of an fsdp coordinate: EP is innermost."""
-        return divmod(shard_index, self.ep)
+        return divmod(coord, self.ep)
 
     def distributed_config_kwargs(self) -> dict[str, int]:
         """Keyword arguments for `transformers.distributed.DistributedConfig` that build this mesh."""

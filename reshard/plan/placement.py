@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from ..read.checkpoint import DTYPE_BITS
 from ..errors import MeshError
+from .dtypes import DTYPE_BITS
 from .layout import ModelLayout, Role, TargetTensor
 from .mesh import MeshSpec
 
@@ -88,7 +88,7 @@ def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, shard_index: int) -> Box:
+def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, coord: int) -> Box:
     """The global region one fsdp coordinate holds of a tensor (see the module docstring for the rules).
 
     Cached: a model has a few dozen distinct (shape, placement) pairs however many layers, so a coordinate's chunk
@@ -99,9 +99,9 @@ def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, shar
         return tuple(box)
     d = placement.shard_dim
     if placement.kind is Kind.DENSE or placement.ep == 1:
-        box[d] = chunk(shape[d], mesh.fsdp, shard_index)
+        box[d] = chunk(shape[d], mesh.fsdp, coord)
     else:
-        efsdp_index, ep_index = mesh.expert_coords(shard_index)
+        efsdp_index, ep_index = mesh.expert_coords(coord)
         per_group = shape[0] // placement.ep
         box[0] = (ep_index * per_group, per_group)
         offset, length = chunk(box[d][1], placement.degree, efsdp_index)
@@ -129,7 +129,7 @@ class TensorPlan:
 
     def boxes(self, mesh: MeshSpec, *, stock: bool = False) -> tuple[Box, ...]:
         placement = self.stock if stock else self.planned
-        return tuple(local_box(self.tensor.shape, placement, mesh, f) for f in range(mesh.num_shard_groups))
+        return tuple(local_box(self.tensor.shape, placement, mesh, f) for f in range(mesh.num_coords))
 
 
 @dataclass(frozen=True)
@@ -251,14 +251,14 @@ class FamilySummary:
 def _rows(plan: TensorPlan, mesh: MeshSpec, stock: bool) -> tuple[int, ...]:
     placement = plan.stock if stock else plan.planned
     if placement.kind is Kind.REPLICATED:
-        return tuple(plan.tensor.shape[0] if plan.tensor.shape else 1 for _ in range(mesh.num_shard_groups))
+        return tuple(plan.tensor.shape[0] if plan.tensor.shape else 1 for _ in range(mesh.num_coords))
     return tuple(box[placement.shard_dim][1] for box in plan.boxes(mesh, stock=stock))
 
 
 def expert_bytes_per_rank(plan: ReshardPlan) -> tuple[list[int], list[int]]:
     """Routed-expert bytes each fsdp coordinate holds: (stock transformers', the plan's)."""
-    stock_bytes = [0] * plan.mesh.num_shard_groups
-    planned_bytes = [0] * plan.mesh.num_shard_groups
+    stock_bytes = [0] * plan.mesh.num_coords
+    planned_bytes = [0] * plan.mesh.num_coords
     for tp in plan.tensors:
         if tp.tensor.role is Role.EXPERT:
             for f, box in enumerate(tp.boxes(plan.mesh, stock=True)):

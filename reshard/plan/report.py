@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from .dtypes import DTYPE_BITS
 from .layout import Role
 from .placement import FamilySummary, Kind, ReshardPlan, expert_bytes_per_rank, summarize
 
@@ -114,8 +115,6 @@ def quantization_summary(plan: ReshardPlan) -> dict:
 
 
 def _bytes(tensor) -> int:
-    from ..read.checkpoint import DTYPE_BITS
-
     return tensor.numel * DTYPE_BITS[tensor.dtype] // 8
 
 

@@ -12,26 +12,20 @@ import json
 import math
 import os
 import re
-import stat
 import struct
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..plan.dtypes import DTYPE_BITS
+from .regular import json_document, open_regular, read_regular_text
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # safetensors refuses headers over 100 MB; a longer length prefix means a corrupt or foreign file.
 MAX_HEADER_BYTES = 100_000_000
 
-# Bits per element of every dtype safetensors knows; sub-byte ones are known but refused (`check_dtype`).
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
-}
 # The torch dtype of each safetensors dtype torch can hold, by attribute name (a torch without one gets None).
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8",
                      "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
@@ -118,6 +112,13 @@ class CheckpointIndex:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def on_disk_layout(self, layout) -> dict | None:
+        """Per in-memory tensor of `layout` (a `ModelLayout` of this checkpoint), the on-disk keys that make it, each
+        as (key, offset, stacked dim, shape): what the manifest records for `merge --layout original`. A source that
+        does not know it (a folder in the distributed-checkpoint layout may not) returns None."""
+        return {t.name: [(p.source, p.offset, p.stacked_dim, self.tensors[p.source].shape) for p in t.pieces]
+                for t in layout.tensors}
+
     def path_of(self, file: str) -> Path:
         if self.root is None:
             raise CheckpointError(
@@ -170,8 +171,8 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
     if len(raw) > MAX_HEADER_BYTES:  # read_header never passes more; other callers (the reader) are held to it too
         raise CheckpointError(f"{file}: the safetensors header has {len(raw)} bytes, over the {MAX_HEADER_BYTES}-byte "
                               "cap safetensors allows; it is corrupt or not a safetensors file.", path=file)
-    header = _json_document(raw, f"{file}: the safetensors header", "the file is corrupt, download or copy it again",
-                            path=file)
+    header = json_document(raw, f"{file}: the safetensors header", "the file is corrupt, download or copy it again",
+                           path=file)
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object; the file is corrupt.", path=file)
     metadata = header.pop("__metadata__", None) or {}
@@ -206,60 +207,6 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
         raise CheckpointError(f"{file}: the header describes {cursor} bytes but the file has {file_size}; the file "
                               "is truncated, download or copy it again.", path=file)
     return FileHeader(file, file_size, data_start, dict(metadata), tuple(entries), hashlib.sha256(raw).hexdigest())
-
-
-def _json_document(raw, what: str, remedy: str, *, path: str):
-    """`json.loads(raw)`, every failure a `CheckpointError` saying `what` is wrong and `remedy`.
-
-    Nesting is bounded by the parser's own recursion limit: a header nested 200,000 deep (a safetensors header is 3
-    deep) is refused with this error, not a `RecursionError` traceback.
-    """
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{what} is not valid JSON ({e}); {remedy}.", path=path) from e
-    except RecursionError as e:
-        raise CheckpointError(f"{what} is JSON nested deeper than reshard reads (a safetensors header or config is "
-                              f"nested a few levels); {remedy}.", path=path) from e
-
-
-def open_regular(path: Path, name: str):
-    """Open the source file `path` (`name` in messages) for reading, unbuffered, only if it is a regular file.
-
-    A FIFO, a device or a folder in a source (`config.json` a FIFO, a weight file linked to /dev/zero) would block
-    the open or never end; it is refused before opening, and the open cannot block (O_NONBLOCK, then fstat refuses
-    a FIFO swapped in after the check).
-
-    Raises:
-        CheckpointError: not a regular file (nothing was read or changed).
-        OSError: missing or unreadable.
-    """
-    _refuse_irregular(path, name, os.stat(path).st_mode)
-
-    def opener(file, flags: int) -> int:
-        fd = os.open(file, flags | os.O_NONBLOCK)
-        try:
-            _refuse_irregular(path, name, os.fstat(fd).st_mode)
-            os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    return open(path, "rb", buffering=0, opener=opener)  # by path: callers and audits see which file it is
-
-
-def _refuse_irregular(path: Path, name: str, mode: int) -> None:
-    if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-        raise CheckpointError(f"{name}: {kind}, not a regular file; reshard reads only regular files from a "
-                              "checkpoint. Replace it with the real file. Nothing was read or changed.", path=str(path))
-
-
-def _read_regular_text(path: Path, name: str) -> str:
-    with open_regular(path, name) as f:
-        return f.read().decode()
 
 
 def read_header(path: Path, *, name: str | None = None) -> FileHeader:
@@ -305,9 +252,9 @@ def _inside(root: Path, path: Path) -> bool:
 def _checked_file_names(root: Path, index_path: Path, link_root: Path) -> tuple[list[str], dict[str, str]]:
     """Validate `model.safetensors.index.json` before trusting any name in it (links must stay in `link_root`)."""
     try:
-        index = _json_document(_read_regular_text(index_path, index_path.name),
-                               f"{index_path.name}: not a valid safetensors index: it", "download or copy it again",
-                               path=str(index_path))
+        index = json_document(read_regular_text(index_path, index_path.name),
+                              f"{index_path.name}: not a valid safetensors index: it", "download or copy it again",
+                              path=str(index_path))
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
@@ -342,10 +289,10 @@ def read_config(root: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        text = _read_regular_text(path, "config.json")
+        text = read_regular_text(path, "config.json")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"config.json: cannot be read ({e}).", path=str(path)) from e
-    config = _json_document(text, "config.json", "fix or replace it", path=str(path))
+    config = json_document(text, "config.json", "fix or replace it", path=str(path))
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config.json is not a JSON object.", path=str(path))
     return config

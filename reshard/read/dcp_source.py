@@ -31,17 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, read_config, read_header
-from ..errors import CheckpointError, ManifestError
+from ..errors import CheckpointError
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, whole_tensor
-from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
-                        check_member, read_manifest, region_text)
+from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, check_member, coverage_problem,
+                        header_problems, read_manifest, recorded_source_layout, region_text, tied_from_record)
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
-SOURCE_LAYOUT_VERSION = 1
 RESHARD, SAVED = "reshard", "saved"
-
-# One on-disk key of the source checkpoint inside an in-memory tensor: (key, offset, stacked_dim, shape).
-OnDisk = tuple[str, tuple[int, ...], "int | None", tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -50,12 +46,12 @@ class DcpIndex(CheckpointIndex):
 
     Attributes:
         kind: `reshard` (a `reshard write` folder) or `saved` (`save_pretrained(..., distributed_checkpoint=True)`).
-        original: per in-memory tensor, the on-disk keys of the source layout that make it (`OnDisk` tuples), or
-            None when unknown (`original_error` says why).
+        original: per in-memory tensor, the on-disk keys of the source layout that make it
+            (`reshard.manifest.OnDisk` tuples), or None when unknown (`original_error` says why).
         original_error: why `original` is None.
         tied: in-memory tensors that are tied to another one and are not written into a merged checkpoint.
         crc32: file name -> the CRC-32 its manifest records (a reshard folder); None for a saved folder, which
-            records none (`reshard.write.source_check` checks the files a write reads against it).
+            records none (`reshard.runs.source_check` checks the files a write reads against it).
     """
 
     kind: str = SAVED
@@ -63,6 +59,10 @@ class DcpIndex(CheckpointIndex):
     original_error: str | None = None
     tied: tuple[str, ...] = ()
     crc32: dict | None = None
+
+    def on_disk_layout(self, layout: ModelLayout) -> dict | None:
+        """What this folder knows of its source's on-disk layout (`original`): its chunks' keys are not it."""
+        return self.original
 
 
 def dcp_kind(source) -> str | None:
@@ -149,10 +149,10 @@ def _read_reshard_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     headers += extra_headers
     layout = ModelLayout(source["model_type"], source["architecture"], tuple(tensors),
                          tuple(t.name for t in extras), extras=extras)
-    original, error = _recorded_original(data)
+    original, error = recorded_source_layout(data)
     index = DcpIndex(str(path), None, path, read_config(path), tuple(headers), entries,
                      _other_files(path, {h.name for h in headers}), kind=RESHARD, original=original,
-                     original_error=error, tied=_tied_from_record(original),
+                     original_error=error, tied=tied_from_record(original),
                      crc32={**{entry["name"]: entry["crc32"] for entry in data["files"]}, **extra_crc32})
     return index, layout
 
@@ -185,39 +185,6 @@ def _recorded_extras(path: Path, data: dict, entries: dict) -> tuple[list[FileHe
         headers.append(header)
         crc32[entry["name"]] = entry["crc32"]
     return headers, tuple(extras), crc32
-
-
-def _recorded_original(data: dict) -> tuple[dict | None, str | None]:
-    record = data.get("source_layout")
-    if not record:
-        return None, (f"{data['source']['source']} was written by `reshard write` before reshard recorded the source's "
-                      "on-disk layout in reshard.json; use --layout fused, or write the folder again with this reshard")
-    if record.get("version") != SOURCE_LAYOUT_VERSION:
-        return None, (f"reshard.json records the source layout in version {record.get('version')}, this reshard reads "
-                      f"{SOURCE_LAYOUT_VERSION}; use --layout fused or upgrade reshard")
-    try:
-        return {name: [_parse_on_disk(text) for text in pieces] for name, pieces in record["tensors"].items()}, None
-    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
-        raise ManifestError([f"reshard.json: source_layout.tensors holds a record that is not (key, offset, stacked "
-                             f"dim, shape) ({type(e).__name__}: {str(e)[:120]}). Merge with --layout fused, or "
-                             "write the folder again. Nothing was written."]) from e
-
-
-def _tied_from_record(original: dict | None) -> tuple[str, ...]:
-    """In-memory tensors built from exactly the on-disk keys of another one: tied copies (`lm_head` tied to the
-    embeddings), which a checkpoint stores once. Of each such group the one the checkpoint names is kept (else the
-    first)."""
-    if not original:
-        return ()
-    groups: dict[frozenset, list[str]] = {}
-    for name, pieces in original.items():
-        groups.setdefault(frozenset(p[0] for p in pieces), []).append(name)
-    tied = []
-    for keys, names in groups.items():
-        if len(names) > 1:
-            keep = next((n for n in names if n in keys), names[0])
-            tied += [n for n in names if n != keep]
-    return tuple(tied)
 
 
 # ---- a save_pretrained(distributed_checkpoint=True) folder -------------------------------------------------------
@@ -256,7 +223,7 @@ def _saved_offsets(header: FileHeader, path: Path) -> dict[str, tuple[int, ...]]
 
 def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     from ..errors import ArchitectureError
-    from .experts import _role, build_meta_model, expert_param_names, ignore_patterns
+    from .experts import build_meta_model, expert_param_names, ignore_patterns, tensor_role
 
     names = _saved_files(path)
     config = read_config(path)
@@ -289,7 +256,8 @@ def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
             raise CheckpointError(f"{path}: no file holds any chunk of {name}; a rank file is missing or the save did "
                                   "not finish. Nothing was written.", path=str(path))
         shape, dtype, pieces = _place(name, tuple(meta.shape), found, entries, str(path))
-        tensors.append(TargetTensor(name, shape, dtype, _role(name, name in experts), name not in buffers, pieces))
+        tensors.append(TargetTensor(name, shape, dtype, tensor_role(name, name in experts), name not in buffers,
+                                    pieces))
     # no extras (save_pretrained keeps only what the model loads); the patterns say what `merge` leaves out
     layout = ModelLayout(config["model_type"], type(model).__name__, tuple(tensors), (), expert_parallel,
                          ignore_patterns=ignore_patterns(model))
@@ -369,34 +337,3 @@ def _place(name, shape, found, entries, where, *, dtype=None):
     if not dtypes:
         raise CheckpointError(f"{where}: no chunk of {name}. Nothing was written.", path=where)
     return shape, dtype or next(iter(dtypes)), tuple(pieces)
-
-
-# ---- the source layout record (in reshard.json) -------------------------------------------------------------------
-
-def _format_on_disk(piece: OnDisk) -> str:
-    key, offset, stacked, shape = piece
-    return json.dumps([key, list(offset), stacked, list(shape)], separators=(",", ":"))
-
-
-def _parse_on_disk(text: str) -> OnDisk:
-    key, offset, stacked, shape = json.loads(text)
-    return key, tuple(offset), stacked, tuple(shape)
-
-
-def source_layout_record(layout: ModelLayout, index: CheckpointIndex) -> dict | None:
-    """What `reshard.json` records of the source's on-disk layout (`source_layout`), for `merge --layout original`.
-
-    Linear in the on-disk keys: per in-memory tensor, one compact JSON string per key (key, offset, stacked dim,
-    shape). For a source in the distributed-checkpoint layout, what it knew (a reshard folder's record, or a saved
-    folder's reverse conversion); None when that is unknown.
-    """
-    if isinstance(index, DcpIndex):
-        if index.original is None:
-            return None
-        tensors = index.original
-    else:
-        tensors = {t.name: [(p.source, p.offset, p.stacked_dim, index.tensors[p.source].shape) for p in t.pieces]
-                   for t in layout.tensors}
-    return {"version": SOURCE_LAYOUT_VERSION,
-            "tensors": {name: [_format_on_disk(p) for p in pieces] for name, pieces in tensors.items()}}
-

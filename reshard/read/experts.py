@@ -30,7 +30,8 @@ _INDEX = re.compile(r"(?<![^.])(\d+)(?![^.])")
 _INDEX_SPECIFIC = re.compile(r"\\[dDwW]|\[|\{|(?<![A-Za-z0-9_\\])\d")
 
 
-def _role(name: str, is_expert: bool) -> Role:
+def tensor_role(name: str, is_expert: bool) -> Role:
+    """The role of in-memory tensor `name`: routed expert, shared expert, router or dense (by its name)."""
     if is_expert:
         return Role.EXPERT
     if _SHARED.search(name):
@@ -209,7 +210,7 @@ def layout_from_model(model, index: CheckpointIndex, *, by_template: bool = True
         dtypes = {index.tensors[p.source].dtype for p in pieces}
         if len(dtypes) != 1:
             raise CheckpointError(f"{name}: its on-disk pieces have mixed dtypes {sorted(dtypes)}.", path=index.source)
-        tensors.append(TargetTensor(name, shape, dtypes.pop(), _role(name, name in experts), name not in buffers,
+        tensors.append(TargetTensor(name, shape, dtypes.pop(), tensor_role(name, name in experts), name not in buffers,
                                     tuple(pieces)))
     extras = tuple(whole_tensor(key, index.tensors[key].shape, index.tensors[key].dtype) for key in ignored)
     return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored), expert_parallel, extras,

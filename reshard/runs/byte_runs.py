@@ -1,9 +1,9 @@
 """Turn a chunk (a box of an in-memory tensor) into byte runs: where each of its bytes lies in the source files.
 
-The engine `write`, `merge` and mesh-to-mesh share: a run is a stretch contiguous both in a source tensor and in the
-output chunk, so gate and up rows fused into `gate_up_proj`, a chunk split on dim 1, or a per-expert key cut back out
-of a fused tensor are all copied by the kernel, never materialized. Chunks of dequantized tensors are computed
-instead (`reshard.runs.dequant`).
+What the engine (`reshard.runs.engine`) copies for `write`, `merge` and mesh-to-mesh: a run is a stretch contiguous
+both in a source tensor and in the output chunk, so gate and up rows fused into `gate_up_proj`, a chunk split on dim
+1, or a per-expert key cut back out of a fused tensor are all copied by the kernel, never materialized. Chunks of
+dequantized tensors are computed instead (`reshard.runs.dequant`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ..plan.layout import TargetTensor
 from ..plan.placement import Box, box_is_empty
-from ..read.checkpoint import DTYPE_BITS, TensorEntry
+from ..plan.dtypes import DTYPE_BITS
+from ..read.checkpoint import TensorEntry
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,13 @@ def chunk_runs(tensor: TargetTensor, box: Box, entries: dict[str, TensorEntry]) 
     if sum(r.nbytes for r in runs) != expected:
         raise AssertionError(f"{tensor.name}: runs cover {sum(r.nbytes for r in runs)} of {expected} bytes")
     return runs
+
+
+def placed_runs(start: int, boxes: list, entries: dict[str, TensorEntry]) -> tuple[list[Run], int]:
+    """The byte runs that fill `(nbytes, tensor, box)` chunks one after another from file offset `start`, each run's
+    `dst` an absolute offset in the file, and the offset where the last chunk ends (the file's size)."""
+    placed, base = [], start
+    for nbytes, tensor, box in boxes:
+        placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(tensor, box, entries)]
+        base += nbytes
+    return placed, base

@@ -20,7 +20,8 @@ from typing import Iterator
 import numpy as np
 
 from ..read import checkpoint
-from ..read.checkpoint import DTYPE_BITS, CheckpointIndex, TensorEntry
+from ..plan.dtypes import DTYPE_BITS
+from ..read.checkpoint import CheckpointIndex, TensorEntry
 from ..errors import OutputError, QuantizationError
 from ..plan.layout import TargetTensor
 from ..plan.placement import Box, box_is_empty

@@ -19,16 +19,23 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from .. import __version__
+from ..errors import CheckpointError
+from ..manifest import MANIFEST_NAME
+from ..plan.dtypes import DTYPE_BITS
+from ..plan.files import ChunkSpec, split_parts
+from ..plan.layout import ModelLayout, TargetTensor
+from ..plan.placement import Box
 from ..read.checkpoint import INDEX_NAME
 from ..read.dcp_source import DcpIndex, read_dcp_source
-from ..errors import CheckpointError, OutputError
-from ..plan.files import split_parts
-from ..plan.layout import ModelLayout, TargetTensor
-from ..manifest import MANIFEST_NAME
-from ..plan.placement import Box
+from ..runs.engine import Engine
+from .distributed import use_distributed, write_distributed
+from .files import write_safetensors
+from .output import headers_digest, write_output
+from .staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, removes_made_parents
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
 LAYOUTS = ("original", "fused")
@@ -58,25 +65,7 @@ class OutputTensor:
 
     @property
     def nbytes(self) -> int:
-        from ..read.checkpoint import DTYPE_BITS
-
         return math.prod(self.shape) * DTYPE_BITS[self.dtype] // 8
-
-
-def _removes_made_parents(argument: str):
-    """`reshard.write.shards.removes_made_parents`, imported at the call (this module imports shards lazily)."""
-    def decorate(fn):
-        import functools
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            from .shards import removes_made_parents
-
-            return removes_made_parents(argument)(fn)(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
 
 
 def _natural_key(key: str):
@@ -225,15 +214,13 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
             "back")
 
 
-def _not_replaceable(out: Path) -> str | None:
+def not_a_merge_output(out: Path) -> str | None:
     """Why `out` may not be replaced by a merge, or None: empty, a complete merge output, or a reshard output."""
-    from .shards import _not_replaceable as reshard_output
-
     if not out.is_dir():
         return "it is not a folder"
     entries = sorted(os.listdir(out))
     if not entries or MANIFEST_NAME in entries:
-        return reshard_output(out)
+        return not_a_reshard_output(out)
     try:
         index = json.loads((out / INDEX_NAME).read_text())
         metadata = index["metadata"]
@@ -244,32 +231,108 @@ def _not_replaceable(out: Path) -> str | None:
         return f"it holds {', '.join(entries[:5])} and neither {INDEX_NAME} nor {MANIFEST_NAME}"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its {INDEX_NAME} cannot be read as a merge output's ({type(e).__name__}: {e})"
-    foreign = [e for e in entries if e not in ours or not (out / e).is_file()]
+    foreign = not_ours(out, entries, ours)
     if foreign:
         return f"it is a merge output but also holds {', '.join(foreign[:5])}, which reshard did not write"
     return None
 
 
-def _check_replaceable(out: Path, overwrite: bool) -> None:
-    from .shards import _check_replaceable as check
-
-    check(out, overwrite, why_not=_not_replaceable, replaceable="a complete merge or reshard output")
+MERGE_OUTPUT = ReplaceRule(not_a_merge_output, "a complete merge or reshard output")
 
 
-def _write_merged_file(path: Path, tensors: list[OutputTensor], copier) -> None:
-    from ..plan.files import ChunkSpec
-    from .shards import placed_runs, safetensors_header, write_copied_file
+@dataclass(frozen=True)
+class MergeJob:
+    """A `merge` as an output job (`reshard.write.output.OutputJob`): its units are the output files."""
 
-    header = safetensors_header([ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)],
-                                {"format": "pt"})
-    placed, size = placed_runs(len(header), [(t.nbytes, t.target, t.box) for t in tensors], copier.index)
-    write_copied_file(path, header, placed, size, copier)
+    index: DcpIndex
+    layout: ModelLayout
+    parts: tuple[tuple[OutputTensor, ...], ...]
+    layout_mode: str
+    max_shard_size: int | None
+    extras_from: str | None = None
+    checked: bool = False  # every source file read has a CRC-32 in its manifest to check against
+    command = "merge"
+    compute = False
+
+    @cached_property
+    def names(self) -> list[str]:
+        return [MERGE_FILE.format(part=i + 1, parts=len(self.parts)) for i in range(len(self.parts))]
+
+    @cached_property
+    def unit_sizes(self) -> list[int]:
+        return [sum(t.nbytes for t in part) for part in self.parts]
+
+    @property
+    def copied(self) -> list[str]:
+        return [name for name in self.index.other_files if name not in self.names and name != INDEX_NAME]
+
+    def staged(self, out, overwrite: bool) -> StagedOutput:
+        index = self.index
+        return StagedOutput(out, overwrite, [index.root, *(index.path_of(f.name) for f in index.files)],
+                            rule=MERGE_OUTPUT)
+
+    def needed_bytes(self) -> int:
+        return sum(self.unit_sizes) + sum((self.index.root / name).stat().st_size for name in self.copied)
+
+    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
+        engine, entries = Engine(self.index, progress), []
+        try:
+            for unit in units:
+                path, tensors = tmp / self.names[unit], self.parts[unit]
+                chunks = [ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)]
+                write_safetensors(path, chunks, [(t.nbytes, t.target, t.box) for t in tensors], {"format": "pt"},
+                                  engine, checksum=False)
+                if fsync:
+                    fsync_path(path)
+                entries.append((unit, {"name": path.name, "keys": [t.key for t in tensors]}))
+            engine.finish()  # a damaged source file is refused before anything is kept
+        finally:
+            engine.close()
+        return entries
+
+    def finish(self, tmp: Path, entries: list[dict]) -> dict:
+        """The copied files and the index, last; returns the index document."""
+        for name in self.copied:
+            shutil.copy2(self.index.root / name, tmp / name)
+        weight_map = {key: entry["name"] for entry in entries for key in entry["keys"]}
+        document = {"metadata": {"total_size": sum(self.unit_sizes), "written_by": MERGE_MARK,
+                                 "tool": f"reshard {__version__}", "layout": self.layout_mode, "copied": self.copied,
+                                 # where the extras came from: `verify DEST --against SRC` compares them there
+                                 **({"extras_from": _where(self.extras_from)} if self.extras_from is not None
+                                    else {})},
+                    "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(document, indent=2) + "\n")
+        return document
+
+    def identity(self, out: Path, overwrite: bool) -> dict:
+        return {"OUT": str(out), "layout": self.layout_mode,
+                "options": f"max_shard_size={self.max_shard_size} overwrite={overwrite} "
+                           f"extras_from={self.extras_from}",
+                "SRC's safetensors headers": headers_digest(self.index)}
+
+    def summary(self, dest) -> dict:
+        return {"dest": str(dest), "files": len(self.names), "tensors": sum(len(p) for p in self.parts),
+                "bytes": sum(self.unit_sizes), "layout": self.layout_mode, "source_kind": self.index.kind,
+                "source_crc32_checked": self.checked, "extras": len(self.layout.extras),
+                "left_out": left_out(self.index, self.layout)}
 
 
-@_removes_made_parents("dest")
+def merge_job(source, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, layout: str = "original",
+              extras_from=None) -> MergeJob:
+    """Read `source` and plan its merge (checked before anything is written)."""
+    index, model_layout = read_dcp_source(source)
+    checked = index.crc32 is not None
+    if extras_from is not None:
+        index, model_layout = with_extras_from(index, model_layout, extras_from)
+    tensors = merge_tensors(index, model_layout, layout_mode=layout)
+    parts = split_parts(tensors, max_shard_size, nbytes=lambda t: t.nbytes)
+    return MergeJob(index, model_layout, tuple(tuple(p) for p in parts), layout, max_shard_size, extras_from, checked)
+
+
+@removes_made_parents("dest")
 def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
                      layout: str = "original", overwrite: bool = False, progress: bool | None = None,
-                     extras_from=None) -> dict:
+                     extras_from=None, workers: int | None = 1, distributed: bool | None = False) -> dict | None:
     """Merge a reshard folder or a saved distributed checkpoint into a standard HF checkpoint at `dest`.
 
     Args:
@@ -284,12 +347,19 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_S
         extras_from: for a trained folder saved without them, the reshard folder or HF checkpoint the training
             started from, whose tensors the model does not load (MTP layers) are written back beside the trained
             ones (`with_extras_from`: same model, no key collides).
+        workers: processes writing shares of the output files on this machine (`reshard.write.workers`); 1 writes
+            in this process, None picks `default_workers`. Above 1, call this under `if __name__ == "__main__":`.
+            The output is byte-identical either way.
+        distributed: this process is one rank of a torchrun job and every rank calls this with the same arguments:
+            each writes a share of the files into `dest`, on a file system they all share
+            (`reshard.write.distributed`). None: when the launcher's environment says so. Not with `workers`.
 
     Returns:
         A summary: `dest`, `files`, `tensors`, `bytes` (tensor data), `layout`, `source_kind`,
         `source_crc32_checked` (every source file read was checked against its manifest's CRC-32; False for a saved
         folder, which records none), `extras` (tensors written back that the model does not load) and `left_out`
-        (what the merge could not write back, see `left_out`, or None).
+        (what the merge could not write back, see `left_out`, or None). None on the ranks other than 0 of a
+        distributed merge.
 
     Raises:
         CheckpointError: the input is neither kind, is incomplete (a rank file missing, a gap, overlapping chunks,
@@ -297,84 +367,23 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_S
             file's CRC-32 differs from its manifest's (checked as the copy runs; nothing is kept).
         OutputError: `dest` exists and may not be replaced, is or holds the source, another write holds it, or
             the disk is full; nothing partial is left.
+        UsageError: `workers` above 1 in a distributed merge.
 
     Example:
         >>> merge_checkpoint("ckpt-step1000", "published")  # doctest: +SKIP
     """
-    from .shards import (
-        TMP_MARK,
-        _Copier,
-        _clean_stale_temporaries,
-        _fsync_dir,
-        _fsync_files,
-        _progress_bar,
-        _refuse_source_overlap,
-        _replace,
-        _write_lock,
-        discarded_on_failure,
-        sigterm_as_interrupt,
-    )
+    jobs: list[MergeJob] = []
 
-    index, model_layout = read_dcp_source(source)
-    checked = index.crc32 is not None
-    if extras_from is not None:
-        index, model_layout = with_extras_from(index, model_layout, extras_from)
-    tensors = merge_tensors(index, model_layout, layout_mode=layout)
-    parts = split_parts(tensors, max_shard_size, nbytes=lambda t: t.nbytes)
-    names = [MERGE_FILE.format(part=i + 1, parts=len(parts)) for i in range(len(parts))]
-    copied = [name for name in index.other_files if name not in names and name != INDEX_NAME]
-    out = Path(dest).resolve()
-    _refuse_source_overlap(out, index)
-    if os.path.lexists(out):
-        _check_replaceable(out, overwrite)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"{out.parent}: cannot create it ({e.strerror or e}); choose a folder you can write "
-                          "to.") from e
-    data = sum(t.nbytes for t in tensors)
-    with sigterm_as_interrupt(), _write_lock(out):
-        _clean_stale_temporaries(out)
-        if os.path.lexists(out):
-            _check_replaceable(out, overwrite)
-        total = data + sum((index.root / name).stat().st_size for name in copied)
-        free = shutil.disk_usage(out.parent).free
-        if free < total:
-            raise OutputError(f"{out.parent}: {free / 2**30:.2f} GiB free, the merged checkpoint needs "
-                              f"{total / 2**30:.2f} GiB. Free space or write elsewhere.")
-        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
-        bar = _progress_bar(data, progress)
-        bar.set_description("reshard merge")
-        copier = None
-        try:
-            with discarded_on_failure(out, tmp, total):
-                tmp.mkdir()
-                copier = _Copier(index, bar)
-                weight_map = {}
-                for name, part in zip(names, parts):
-                    _write_merged_file(tmp / name, part, copier)
-                    weight_map.update((t.key, name) for t in part)
-                copier.finish_source_checks()  # a damaged source file is refused before anything is kept
-                copier.close()
-                copier = None
-                for name in copied:
-                    shutil.copy2(index.root / name, tmp / name)
-                document = {"metadata": {"total_size": data, "written_by": MERGE_MARK,
-                                         "tool": f"reshard {__version__}", "layout": layout, "copied": copied,
-                                         # where the extras came from: `verify DEST --against SRC` compares them there
-                                         **({"extras_from": _where(extras_from)} if extras_from is not None else {})},
-                            "weight_map": weight_map}
-                (tmp / INDEX_NAME).write_text(json.dumps(document, indent=2) + "\n")
-                _fsync_files(tmp)
-                _fsync_dir(tmp)
-                _replace(tmp, out, overwrite, check=_check_replaceable)
-        finally:
-            if copier is not None:
-                copier.close()
-            bar.close()
-    return {"dest": str(dest), "files": len(names), "tensors": len(tensors), "bytes": data, "layout": layout,
-            "source_kind": index.kind, "source_crc32_checked": checked, "extras": len(model_layout.extras),
-            "left_out": left_out(index, model_layout)}
+    def read_job() -> MergeJob:
+        jobs.append(merge_job(source, max_shard_size=max_shard_size, layout=layout, extras_from=extras_from))
+        return jobs[-1]
+
+    if use_distributed(distributed, workers, "merge"):
+        if write_distributed(read_job, dest, overwrite=overwrite, progress=progress, command="merge") is None:
+            return None
+    else:
+        write_output(read_job(), dest, overwrite=overwrite, progress=progress, workers=workers)
+    return jobs[-1].summary(dest)
 
 
 def is_merged_folder(folder) -> bool:

@@ -60,7 +60,7 @@ def main() -> None:
 
     manifest = read_manifest(out)
     mesh = manifest.mesh
-    coord = mesh.shard_index(rank)
+    coord = mesh.coord_of(rank)
     reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
 
     problems, checked, empty_locals = [], 0, []

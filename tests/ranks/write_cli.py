@@ -1,4 +1,4 @@
-"""Run `reshard write` commands the way `python -m reshard` does, in order, in this process, with faults injected.
+"""Run `reshard write` and `reshard merge` commands the way `python -m reshard` does, in order, in this process, with faults injected.
 
 usage: write_cli.py CASES_JSON REPORT_DIR
 CASES_JSON: a list of {"argv": [...], "fault": "..."}: the arguments after `reshard`, where `{rank}` becomes this
@@ -7,12 +7,13 @@ REPORT_DIR/case{i}-rank{r}.json; the script goes on with the next command after 
 fails, fails on every rank together, so the ranks stay in step) and exits 0 once all ran, but exits at once with the
 code of a command interrupted by a signal (130, 143).
 
-Faults hit the process writing coordinate C, when it starts that coordinate's first file:
+Faults hit the process writing coordinate C, when it starts that coordinate's first file (for a merge: the process
+writing its output file C + 1, `model-0000{C+1}-of-...`, and only enospc):
   enospc:C             raise OSError(ENOSPC), as a full disk does
   kill:C[:MARKER]      SIGKILL itself (after writing the time to MARKER)
   sleep:C:MARKER       write the file, create MARKER, then sleep 120 s (the test stops the write meanwhile)
 
-RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.parallel.STALE_S).
+RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.distributed.STALE_S).
 
 The patch is made at import, outside the main guard: `--workers` processes are spawned and import this script as
 `__mp_main__`, so they get it too (the fault is passed to them in RESHARD_TEST_FAULT).
@@ -28,44 +29,65 @@ import sys
 import time
 from pathlib import Path
 
-import reshard.write.parallel
+import reshard.write.distributed
+import reshard.write.merge
 import reshard.write.shards
 
-_stock_write_file = reshard.write.shards._write_file
-_stock_progress_bar = reshard.write.parallel._progress_bar
+_stock_write_file = reshard.write.shards.write_rank_file
+_stock_merge_file = reshard.write.merge.write_safetensors
+_stock_progress_bar = reshard.write.distributed.progress_bar
 bars = []
 
 
-def _faulty_write_file(path, items, copier):
+def _fault_for(path) -> tuple[str, str]:
+    """(kind, marker) of the fault RESHARD_TEST_FAULT puts on the file `path`, or ("", "")."""
     fault = os.environ.get("RESHARD_TEST_FAULT", "")
-    name = Path(path).name  # shard-{coord+1:05d}-model-{part+1:05d}-of-...
-    coord, part = int(name.split("-")[1]) - 1, int(name.split("-")[3]) - 1
+    name = Path(path).name  # shard-{coord+1:05d}-model-{part+1:05d}-of-... or a merge's model-{part+1:05d}-of-...
+    if name.startswith("shard-"):
+        unit, part = int(name.split("-")[1]) - 1, int(name.split("-")[3]) - 1
+    else:
+        unit, part = int(name.split("-")[1]) - 1, 0
     kind, _, rest = fault.partition(":")
     target, _, marker = rest.partition(":")
-    if not kind or part != 0 or coord != int(target):
-        return _stock_write_file(path, items, copier)
+    if not kind or part != 0 or unit != int(target):
+        return "", ""
+    return kind, marker
+
+
+def _faulty_merge_file(path, *args, **kwargs):
+    kind, _ = _fault_for(path)
+    if kind == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return _stock_merge_file(path, *args, **kwargs)
+
+
+def _faulty_write_file(path, items, engine):
+    kind, marker = _fault_for(path)
+    if not kind:
+        return _stock_write_file(path, items, engine)
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     if kind == "kill":
         if marker:
             Path(marker).write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
-    entry = _stock_write_file(path, items, copier)
+    entry = _stock_write_file(path, items, engine)
     if kind == "sleep":
         Path(marker).write_text(str(path))
         time.sleep(120)
     return entry
 
 
-def _counted_progress_bar(total, progress):
+def _counted_progress_bar(total, progress, command):
     bars.append(total)
-    return _stock_progress_bar(total, progress)
+    return _stock_progress_bar(total, progress, command)
 
 
-reshard.write.shards._write_file = _faulty_write_file
-reshard.write.parallel._progress_bar = _counted_progress_bar
+reshard.write.shards.write_rank_file = _faulty_write_file
+reshard.write.merge.write_safetensors = _faulty_merge_file
+reshard.write.distributed.progress_bar = _counted_progress_bar
 if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than in production
-    reshard.write.parallel.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
+    reshard.write.distributed.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
 
 
 def main():

@@ -1,0 +1,115 @@
+"""The rank agreement to load: every check a rank makes before a distributed load (the manifest, the world size, the
+mesh, its own files), caught and gathered in one collective.
+
+Either every rank raises the same `LoadError`, naming each failing rank, or every rank loads: no rank can fail alone
+while the others wait in a collective (under srun or mpirun no agent would kill them). Both `reshard.from_pretrained`
+(`loader`) and transformers' own `from_pretrained` under the patch (`patch`) agree here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import ReshardError, VerifyError
+from ..launch import gather, raise_if_any
+from ..manifest import MANIFEST_NAME, Manifest, header_problems, member_problem, read_manifest
+from ..read.checkpoint import read_header
+
+_MESH_FIELDS = ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size")
+
+
+def has_shard_files(folder: Path) -> bool:
+    """Whether `folder` looks like a distributed checkpoint (shard files by transformers' naming)."""
+    return folder.is_dir() and any(folder.glob("shard-*-model-*-of-*.safetensors"))
+
+
+def _check_own_files(manifest: Manifest, rank: int) -> str | None:
+    """Check the files this rank reads exist, are regular files and readable, with the size and a header that
+    holds what the manifest says (names, dtypes, shapes, offsets); a problem or None.
+
+    Their CRC-32 is checked while they are read (`local_read`), not here: that would read them twice.
+    """
+    for name in manifest.files_of_rank(rank):
+        entry, path = manifest.file_entry(name), manifest.path / name
+        if problem := member_problem(manifest.path, name):  # opens it: an unreadable one (permissions) fails here
+            return problem
+        size = path.stat().st_size
+        if size != entry.bytes:
+            return f"{name} has {size} bytes, the manifest says {entry.bytes}"
+        try:
+            problems = header_problems(entry, manifest.chunks(entry), read_header(path))
+        except (ReshardError, OSError) as e:
+            return str(e)
+        if problems:
+            return "; ".join(problems)
+    return None
+
+
+def _config_mismatch(distributed_config, manifest: Manifest) -> str | None:
+    mesh = manifest.mesh
+    given = {k: getattr(distributed_config, k) for k in _MESH_FIELDS}
+    wanted = {"fsdp_size": mesh.fsdp, "ep_size": mesh.ep, "dp_replicate_size": mesh.dp_replicate,
+              "tp_size": mesh.tp, "pp_size": mesh.pp}
+    if given == wanted:
+        return None
+    return (f"distributed_config {given} does not match the mesh {manifest.path} was written for ({wanted}). "
+            f"Pass {mesh.distributed_config_repr()} or omit distributed_config.")
+
+
+def _local_checks(folder: Path, distributed_config, rank: int, world: int, *, require_manifest: bool):
+    """This rank's view before loading: (has a manifest, the manifest or None, a problem or None). Never raises."""
+    if not require_manifest and not (folder / MANIFEST_NAME).is_file():
+        return False, None, None
+    try:
+        manifest = read_manifest(folder)
+    except VerifyError as e:
+        return False, None, "; ".join(e.problems)
+    except Exception as e:  # noqa: BLE001  raising here alone would leave the other ranks in the gather
+        return False, None, f"{MANIFEST_NAME}: {type(e).__name__}: {e}"
+    try:
+        mesh = manifest.mesh
+        if world != mesh.world_size:
+            return True, manifest, (f"{folder} was written for {mesh.world_size} ranks ({mesh.describe()}) but this "
+                                    f"job has {world}. Launch with --nproc-per-node/--nnodes giving "
+                                    f"{mesh.world_size} ranks, or write the checkpoint again for this mesh.")
+        if distributed_config is not None and (mismatch := _config_mismatch(distributed_config, manifest)):
+            return True, manifest, mismatch
+        return True, manifest, _check_own_files(manifest, rank)
+    except Exception as e:  # noqa: BLE001
+        return True, manifest, f"{type(e).__name__}: {e}"
+
+
+def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require_manifest: bool = True):
+    """Make every pre-load check on every rank and agree on the outcome in one collective.
+
+    Args:
+        folder: the folder every rank is about to load.
+        distributed_config: the `DistributedConfig` the caller passed, or None to take the manifest's.
+        require_manifest: a folder without `reshard.json` is an error (`reshard.from_pretrained`); when False
+            (transformers' own `from_pretrained` under the patch), a folder without it on every rank is not a
+            reshard folder and None is returned.
+
+    Returns:
+        (manifest, distributed_config) on every rank, or None when no rank has a manifest and none is required.
+
+    Raises:
+        LoadError: on every rank together, naming each failing rank and its cause.
+    """
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    folder = Path(folder)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    has, manifest, problem = _local_checks(folder, distributed_config, rank, world,
+                                           require_manifest=require_manifest)
+    views = gather((has, problem))
+    if not require_manifest and not any(h for h, _ in views):
+        return None
+    if not require_manifest and not all(h for h, _ in views):
+        views = [(h, p or (None if h else f"{folder / MANIFEST_NAME} is missing on this rank, present on others"))
+                 for h, p in views]
+    raise_if_any([p for _, p in views])
+    if distributed_config is None:
+        distributed_config = DistributedConfig(**manifest.mesh.distributed_config_kwargs())
+    return manifest, distributed_config

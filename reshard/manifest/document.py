@@ -1,0 +1,90 @@
+"""The manifest document a write records, built here beside the parser that reads it back (`validate_manifest`).
+
+From the typed inputs only: the plan (what each file holds follows from its placements), the source index (its name,
+header digests, copied files, quantization and on-disk layout) and the entries of the files written. The keys are
+built in the order docs/format.md describes them; `dump_manifest` writes them sorted.
+"""
+
+from __future__ import annotations
+
+from .. import __version__
+from ..plan.layout import TargetTensor
+from ..plan.mesh import MeshSpec
+from ..plan.placement import Placement, ReshardPlan
+from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
+from .source_layout import source_layout_record
+
+
+def manifest_document(plan: ReshardPlan, index, files: list[dict], extras: list[dict] = ()) -> dict:
+    """The manifest document of a written folder.
+
+    Args:
+        plan: the plan the files were written from.
+        index: the source (`reshard.read.checkpoint.CheckpointIndex`, or its bf16 view of a quantized checkpoint).
+        files: the rank files' entries (`name`, `coord`, `first`, `count`, `bytes`, `crc32`, `empty_markers`),
+            every coordinate's, in any order.
+        extras: the extras files' entries (`write_extras`); the `extras` section only when there are any.
+    """
+    mesh = plan.mesh
+    by_coord: dict[int, list[dict]] = {c: [] for c in range(mesh.num_coords)}
+    for entry in sorted(files, key=lambda f: (f["coord"], f["first"])):
+        by_coord[entry["coord"]].append(entry)
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "tool": f"reshard {__version__}",
+        "source": _source(plan, index),
+        "mesh": mesh.to_dict(),
+        "distributed_config": mesh.distributed_config_kwargs(),
+        "layout": plan.mode.value,
+        "tensors": {tp.tensor.name: _tensor(tp, index) for tp in plan.tensors},
+        "order": [tp.tensor.name for tp in plan.tensors],  # file entries name runs of it (`first`, `count`)
+        "coords": _coords(mesh, by_coord),
+        "files": [entry for c in by_coord for entry in by_coord[c]],
+        "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
+        # the source's on-disk keys per tensor, for `reshard merge --layout original` (`recorded_source_layout`)
+        "source_layout": source_layout_record(plan.layout, index),
+        **({"extras": list(extras)} if extras else {}),
+        # with --drop-unloaded: how many the source held, so that `merge` can say what it cannot write back
+        **({"dropped_unloaded": len(plan.layout.extras)} if plan.layout.extras and not plan.extras else {}),
+    }
+
+
+def _source(plan: ReshardPlan, index) -> dict:
+    return {
+        "source": index.source,
+        "revision": index.revision,
+        "model_type": plan.layout.model_type,
+        "architecture": plan.layout.architecture,
+        "header_sha256": {f.name: f.digest for f in index.files},
+        **({"quantization_config": index.quantization.config} if index.quantization is not None else {}),
+    }
+
+
+def _tensor(tp, index) -> dict:
+    tensor = tp.tensor
+    return {"shape": list(tensor.shape), "dtype": tensor.dtype, "role": tensor.role.value,
+            "is_param": tensor.is_param, "placement": _placement_dict(tp.planned),
+            "stock_placement": _placement_dict(tp.stock), **_dequantized_from(tensor, index)}
+
+
+def _coords(mesh: MeshSpec, by_coord: dict[int, list[dict]]) -> list[dict]:
+    return [{"coord": c, "ranks": [r * mesh.fsdp + c for r in range(mesh.dp_replicate)],
+             "files": [f["name"] for f in entries], "empty_markers": sum(f["empty_markers"] for f in entries)}
+            for c, entries in by_coord.items()]
+
+
+def _placement_dict(p: Placement) -> dict:
+    return {"kind": p.kind.value, "shard_dim": p.shard_dim, "degree": p.degree, "ep": p.ep,
+            "placements": p.describe()}
+
+
+def _dequantized_from(tensor: TargetTensor, index) -> dict:
+    """`{"dequantized_from": ...}` for a tensor computed from quantized pieces (their format and keys), else {}."""
+    quantized = index.quantization.tensors if index.quantization is not None else {}
+    sources = [quantized[p.source] for p in tensor.pieces if p.source in quantized]
+    if not sources:
+        return {}
+    record = sources[0].record()
+    record["keys"] = [key for q in sources for key in q.record()["keys"]]
+    return {"dequantized_from": record}

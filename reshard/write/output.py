@@ -1,0 +1,99 @@
+"""Running an output job on this machine: one staged output, filled by this process or by `--workers N`.
+
+An output job is what `write` and `merge` have in common, so that one runner, one staged output
+(`reshard.write.staged`), the worker processes (`reshard.write.workers`) and the ranks of a distributed job
+(`reshard.write.distributed`) serve both. Its files are grouped in units (a `write`'s coordinates, a `merge`'s
+files); each unit's files are written the same way by any writer, and one process completes the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Protocol
+
+from ..signals import sigterm_as_interrupt
+from .staged import StagedOutput
+from .workers import default_workers, write_with_workers
+
+
+class OutputJob(Protocol):
+    """What a writer runs. It is pickled once for worker processes, and built on each rank of a distributed job.
+
+    Attributes:
+        command: `write` or `merge` (the progress bar's label).
+        unit_sizes: the bytes of each unit's files, by unit (the shares are balanced by them).
+        compute: whether the chunks are computed (a dequantizing write): `--workers` then defaults to every core.
+    """
+
+    command: str
+    unit_sizes: list[int]
+    compute: bool
+
+    def staged(self, out, overwrite: bool) -> StagedOutput:
+        """OUT claimed for this job (the checks made before the lock)."""
+
+    def needed_bytes(self) -> int:
+        """Bytes the whole output needs (the free-space check)."""
+
+    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
+        """Write the files of `units` into `tmp`: `(unit, file entry)` each, in unit then part order."""
+
+    def finish(self, tmp: Path, entries: list[dict]):
+        """Complete `tmp` from every file entry (in unit order): the rest of its files, the index or manifest
+        last; returns what the command returns."""
+
+    def identity(self, out: Path, overwrite: bool) -> dict:
+        """What must be the same on every rank of a distributed job for their shares to fit together."""
+
+
+def progress_bar(total: int, progress: bool | None, command: str):
+    """A byte bar labelled `reshard COMMAND` (None: only on a terminal; False: never)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"reshard {command}",
+                disable=None if progress is None else not progress)
+
+
+def headers_digest(index) -> str:
+    """One digest of SRC's safetensors headers (for `OutputJob.identity`: the ranks' sources must be the same)."""
+    return hashlib.sha256(json.dumps([(f.name, f.digest) for f in index.files]).encode()).hexdigest()
+
+
+def in_unit_order(pairs: list[tuple[int, dict]]) -> list[dict]:
+    """The file entries of `(unit, entry)` pairs, in unit order (a stable sort keeps each unit's parts in order)."""
+    return [entry for _, entry in sorted(pairs, key=lambda pair: pair[0])]
+
+
+def write_output(job: OutputJob, out, *, overwrite: bool = False, progress: bool | None = None,
+                 workers: int | None = 1):
+    """Run `job` into the folder `out`: checked, locked, filled in a temporary folder, swapped in when complete.
+
+    Args:
+        workers: processes writing shares of the units in parallel; 1 writes in this process; None picks
+            `default_workers`. With more than 1, a script calling this needs the `if __name__ == "__main__":`
+            guard (workers are spawned). The output is the same either way.
+
+    Returns:
+        What `job.finish` returns.
+    """
+    stage = job.staged(out, overwrite)
+    with sigterm_as_interrupt(), stage.locked():
+        stage.claim(job.needed_bytes())
+        sizes = job.unit_sizes
+        if workers is None:
+            workers = default_workers(sum(sizes), len(sizes), compute=job.compute)
+        workers = min(workers, len(sizes)) if sizes else 1
+        bar = progress_bar(sum(sizes), progress, job.command)
+        try:
+            with stage.filling() as tmp:
+                if workers > 1:
+                    pairs = write_with_workers(job, tmp, workers, progress=bar)
+                else:
+                    pairs = job.write_units(tmp, range(len(sizes)), progress=bar)
+                result = job.finish(tmp, in_unit_order(pairs))
+                stage.complete()
+        finally:
+            bar.close()
+    return result

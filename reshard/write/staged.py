@@ -1,0 +1,458 @@
+"""One staged output: how every writer claims OUT, fills it out of sight, and puts it in place at once.
+
+`write`, `merge` and rank 0 of a distributed write (of either) go through `StagedOutput`, so the rules are the same
+for all: OUT must not be or hold the source; an existing OUT is replaced only with `--overwrite` and only when it is
+empty or a complete output of that command; one write at a time holds a lock beside OUT; the temporaries of a killed
+write are cleaned under that lock; the free space is checked before any byte is written. Files are written into a
+temporary folder beside OUT, fsynced, and the folder is swapped in by an atomic exchange, so OUT is the whole old or
+the whole new folder at every instant; any failure or interruption removes the temporary folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import functools
+import glob
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import OutputError
+from ..manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from ..read.checkpoint import is_metadata_file
+from ..signals import signals_held
+
+INTERRUPT_CLEANUP_S = 1.0  # an interrupted write removes its temporary folder this long at most, then exits
+TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
+LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
+
+
+# ---- what may be replaced ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplaceRule:
+    """Which existing OUT `--overwrite` may replace: `why_not(out)` says why it may not, or None; `replaceable` names
+    what may be, for messages."""
+
+    why_not: Callable[[Path], "str | None"]
+    replaceable: str
+
+
+def some(names: list[str]) -> str:
+    """At most five names for a message, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def not_a_reshard_output(out: Path) -> str | None:
+    """Why `out` may not be replaced by a write, or None: it is empty, or holds only what one reshard write put
+    there."""
+    if not out.is_dir():
+        return "it is not a folder"
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return None
+    try:
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return f"it holds {some(entries)} and no {MANIFEST_NAME}, so it is not a reshard output"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST_NAME} cannot be read ({e})"
+    try:
+        if manifest.get("format") != MANIFEST_FORMAT:
+            return f"its {MANIFEST_NAME} is not a reshard manifest"
+        ours = {MANIFEST_NAME, *(f["name"] for f in manifest["files"]),
+                *(f["name"] for f in manifest.get("extras") or ())}
+        copied = manifest.get("copied")
+        # a manifest from before `copied` was recorded: only top-level files reshard copies today count as ours
+        ours |= set(copied) if copied is not None else {e for e in entries if is_metadata_file(e)}
+    except (AttributeError, KeyError, TypeError):
+        return f"its {MANIFEST_NAME} is damaged"
+    foreign = not_ours(out, entries, ours)
+    if foreign:
+        return f"it is a reshard output but also holds {some(foreign)}, which reshard did not write"
+    return None
+
+
+def not_ours(out: Path, entries: list[str], ours: set[str]) -> list[str]:
+    """The entries of `out` its writer did not put there: a name it does not list, or not a regular file."""
+    return [e for e in entries if e not in ours or not (out / e).is_file()]
+
+
+RESHARD_OUTPUT = ReplaceRule(not_a_reshard_output, "a complete reshard output")
+
+
+def check_replaceable(out: Path, overwrite: bool, rule: ReplaceRule = RESHARD_OUTPUT) -> None:
+    """Refuse an existing `out` unless `overwrite` and it is an empty folder or what `rule` allows."""
+    if not overwrite:
+        raise OutputError(f"{out} already exists. Pass --overwrite to replace it (only an empty folder or "
+                          f"{rule.replaceable} is replaced), or choose another folder.")
+    why = rule.why_not(out)
+    if why is not None:
+        raise OutputError(f"{out}: --overwrite replaces only an empty folder or {rule.replaceable}, and {why}. "
+                          "Nothing was changed. Move what is there yourself, or choose another output folder.")
+
+
+# ---- the staged output -------------------------------------------------------------------------------------------
+
+class StagedOutput:
+    """OUT as one writer claims, fills and completes it.
+
+    Constructed before the lock: OUT is resolved, refused when it is or holds one of `sources` or may not be
+    replaced, and its parent is created. Then, under `locked()`: `claim(needed)` cleans stale temporaries, checks OUT
+    again and the free space, and names the temporary folder `tmp`; `filling()` creates it and discards it on any
+    failure; `complete()` fsyncs it and swaps it in as OUT.
+
+    Args:
+        out: the output folder.
+        overwrite: whether an existing OUT may be replaced (by `rule`).
+        sources: the source folder and files (OUT must be none of them, nor hold one).
+        rule: which existing OUT may be replaced.
+    """
+
+    def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = RESHARD_OUTPUT):
+        self.out, self.overwrite, self.rule = Path(out).resolve(), overwrite, rule
+        self.tmp = self.out.parent / f".{self.out.name}{TMP_MARK}{os.getpid()}"
+        self.total = 0
+        refuse_source_overlap(self.out, sources)
+        if os.path.lexists(self.out):
+            check_replaceable(self.out, overwrite, rule)  # refused before anything is touched
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{self.out.parent}: cannot create it ({e.strerror or e}); choose a folder you can "
+                              "write to.") from e
+
+    def locked(self):
+        """Hold the write lock beside OUT (`write_lock`)."""
+        return write_lock(self.out)
+
+    def claim(self, needed: int) -> None:
+        """Under the lock: clean up earlier writes, check OUT again and that `needed` bytes are free."""
+        clean_stale_temporaries(self.out)  # may put back an OUT a killed swap left aside: check it again
+        if os.path.lexists(self.out):
+            check_replaceable(self.out, self.overwrite, self.rule)
+        self.total = needed
+        free = shutil.disk_usage(self.out.parent).free
+        if free < needed:
+            raise OutputError(f"{self.out.parent}: {free / 2**30:.2f} GiB free, the output needs "
+                              f"{needed / 2**30:.2f} GiB. Free space or write elsewhere.")
+
+    @contextmanager
+    def filling(self):
+        """Create the temporary folder; on any failure or interruption inside, `discard` it, and an `OSError`
+        becomes the `OutputError` a write reports."""
+        try:
+            self.tmp.mkdir()
+            yield self.tmp
+        except OSError as e:
+            self.discard()
+            raise self.error(e) from e
+        except BaseException as e:
+            self.discard(interrupted=isinstance(e, KeyboardInterrupt))
+            raise
+
+    def complete(self) -> None:
+        """fsync the finished temporary folder and put it in place as OUT."""
+        fsync_files(self.tmp)
+        fsync_dir(self.tmp)
+        replace(self.tmp, self.out, self.overwrite, self.rule)
+
+    def discard(self, *, interrupted: bool = False) -> None:
+        """After a failure or interruption: put OUT back if this write had moved it aside, remove the temporaries.
+
+        Interrupted (Ctrl-C, SIGTERM), the removal takes `INTERRUPT_CLEANUP_S` at most (`remove_within`), so the
+        process exits at once even after writing 20,000 files; the rest is left for the next write to OUT.
+        """
+        aside = aside_path(self.out)
+        if os.path.lexists(aside) and not os.path.lexists(self.out):
+            os.rename(aside, self.out)
+        for folder in (self.tmp, aside):
+            remove_temporary(folder, self.out, interrupted=interrupted)
+
+    def error(self, e: OSError) -> OutputError:
+        """The error a write reports for `e`, once its temporary folder is gone (`output_error`)."""
+        return output_error(e, self.out, self.total)
+
+
+def output_error(e: OSError, out: Path, total: int) -> OutputError:
+    """The error a write to `out` (of `total` bytes) reports for `e`, once its temporary folder is gone."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
+                           f"The output needs {total / 2**30:.2f} GiB.")
+    if isinstance(e, OutputError):
+        return e
+    return OutputError(f"{out}: write failed ({e}); nothing was kept.")
+
+
+def refuse_source_overlap(out: Path, sources) -> None:
+    """Refuse an OUT that is one of `sources` or holds any: replacing OUT would delete them."""
+    for path in sources:
+        real = Path(path).resolve()
+        if real == out or out in real.parents:
+            raise OutputError(f"{out} is or holds the source checkpoint ({real}); writing there would replace the "
+                              "source. Nothing was changed. Choose another output folder.")
+
+
+def remove_temporary(folder: Path, out: Path, *, interrupted: bool = False) -> None:
+    """Remove a temporary folder of a write to `out`: whole, or, interrupted, for `INTERRUPT_CLEANUP_S` at most."""
+    if interrupted:
+        remove_within(folder, out, INTERRUPT_CLEANUP_S)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_within(folder: Path, out: Path, seconds: float) -> None:
+    """Remove the temporary `folder` of a write to `out` for at most `seconds`, then stop.
+
+    It is first renamed `.OUT.reshard-tmp-stale-PID-N`: whatever is left is then plainly stale, and the next write
+    to OUT removes it under its lock (`clean_stale_temporaries`, as after a SIGKILL). Measured: 20,000 files took
+    35-56 s to delete on a loaded file system, far past the few seconds a SIGTERM is given before a SIGKILL.
+    """
+    if not os.path.lexists(folder):
+        return
+    stale = out.parent / f".{out.name}{TMP_MARK}stale-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        os.rename(folder, stale)
+    except OSError:
+        stale = folder  # another rank renamed it first, or the file system refuses: remove it where it is
+    deadline = time.monotonic() + seconds
+    try:
+        with os.scandir(stale) as entries:
+            for entry in entries:
+                if time.monotonic() > deadline:
+                    return
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass
+        os.rmdir(stale)
+    except OSError:
+        pass
+
+
+# ---- the lock and the temporaries of earlier writes --------------------------------------------------------------
+
+def temporaries(out: Path) -> list[Path]:
+    # escaped: an OUT named `m*` must not match the temporaries of another OUT's write
+    return sorted(out.parent.glob(f".{glob.escape(out.name)}{TMP_MARK}*"))
+
+
+def aside_path(out: Path) -> Path:
+    return out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+
+
+def clean_stale_temporaries(out: Path) -> None:
+    """Under the write lock: put back an OUT a killed swap left aside, then remove every earlier temporary.
+
+    Holding the lock proves their writers are gone (a live writer holds it, on any host), which a pid check cannot
+    tell on a shared file system.
+    """
+    stale = temporaries(out)
+    aside = [p for p in stale if p.name.startswith(f".{out.name}{TMP_MARK}old-")]
+    if aside and not os.path.lexists(out):  # killed between the two renames of the fallback swap
+        os.rename(aside[0], out)
+        fsync_dir(out.parent)
+        stale.remove(aside[0])
+    for tmp in stale:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _open_lock(path: Path, out: Path) -> int:
+    """The locked fd of `path`, once it is the file at `path` (its last holder may remove it meanwhile)."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot create the write lock beside {out.name} ({e.strerror or e}); "
+                              "choose a folder you can write to.") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise OutputError(f"{path}: cannot lock it ({e.strerror or e}); this file system does not support "
+                                  "file locks. Write to another one.") from e
+            who = f" (host {holder[0]}, pid {holder[1]})" if len(holder) == 2 else ""
+            raise OutputError(f"another reshard write{who} is writing {out}; wait for it to finish, or stop it, "
+                              "then run this again. Nothing was changed.") from e
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextmanager
+def write_lock(out: Path):
+    """Hold `.OUT.reshard-lock` (flock, released by the kernel when the process dies) for the whole write.
+
+    Raises:
+        OutputError: another write to `out` holds it (naming its host and pid), or no lock can be taken there.
+    """
+    path = out.parent / f".{out.name}{LOCK_MARK}"
+    fd = _open_lock(path, out)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        try:
+            os.unlink(path)  # still locked: a writer that opened it meanwhile sees it gone and retries
+        except OSError:
+            pass
+        os.close(fd)
+
+
+# ---- putting the folder in place ---------------------------------------------------------------------------------
+
+def fsync_files(folder: Path) -> None:
+    """One fsync pass over the finished files: the kernel writes them back together, not one file at a time."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            fsync_path(path)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+fsync_dir = fsync_path  # a folder's entries are made durable the same way
+
+
+def swap_hook(step: str) -> None:
+    """Called at each step of putting the finished folder in place; tests replace it to interrupt there.
+
+    Steps: `before-swap`, `old-moved` (rename fallback only: OUT is aside, signals are held), `swapped` (OUT is the
+    new folder, the old one not yet removed), `done`.
+    """
+
+
+def replace(tmp: Path, out: Path, overwrite: bool, rule: ReplaceRule = RESHARD_OUTPUT) -> None:
+    """Put the finished folder in place so that OUT is, at every instant, the whole old or the whole new folder.
+
+    An existing OUT (checked again by `rule`: nothing foreign may appear during the write) is exchanged with the new
+    folder in one step (Linux `renameat2(RENAME_EXCHANGE)`), then removed from where the new one was. Where the
+    kernel or file system cannot exchange, OUT is renamed aside and the new folder renamed in with SIGINT and SIGTERM
+    held; only a SIGKILL between those two renames leaves OUT aside, and the next write to OUT puts it back.
+    """
+    swap_hook("before-swap")
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+        swap_hook("swapped")
+    else:
+        check_replaceable(out, overwrite, rule)
+        if exchange(tmp, out):
+            fsync_dir(out.parent)
+            swap_hook("swapped")
+            shutil.rmtree(tmp, ignore_errors=True)  # the old output, now at the temporary path
+        else:
+            _rename_aside_and_in(tmp, out)
+    fsync_dir(out.parent)
+    swap_hook("done")
+
+
+def _rename_aside_and_in(tmp: Path, out: Path) -> None:
+    aside = aside_path(out)
+    with signals_held():
+        os.rename(out, aside)
+        try:
+            swap_hook("old-moved")
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(aside, out)
+            raise
+    fsync_dir(out.parent)
+    swap_hook("swapped")
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.lru_cache(maxsize=None)
+def libc_function(name: str, *argtypes):
+    """Linux C library's function `name` (errno kept, int result), or None: another platform, or a C library
+    without it (renameat2 needs glibc 2.28)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def renameat2():
+    return libc_function("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the entries at `a` and `b` atomically; False (nothing moved) where the kernel or file system cannot."""
+    fn = renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+# ---- parents a refused write created -----------------------------------------------------------------------------
+
+def removes_made_parents(argument: str):
+    """Decorate a writer whose parameter `argument` is its output folder: when it fails or is interrupted, the parent
+    folders of the output it created (those missing before the call, and still empty) are removed again, so a refused
+    write into `small/x/y/out` leaves no empty `x/y` behind."""
+    def decorate(fn):
+        import inspect
+
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            made = missing_parents(Path(signature.bind(*args, **kwargs).arguments[argument]))
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                for folder in made:  # deepest first; one that is not empty (someone else's now) stays, as all above
+                    try:
+                        os.rmdir(folder)
+                    except OSError:
+                        break
+                raise
+
+        return wrapper
+
+    return decorate
+
+
+def missing_parents(out: Path) -> list[Path]:
+    """The parent folders of `out` that do not exist yet, deepest first."""
+    missing, parent = [], Path(os.path.abspath(out)).parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    return missing
