@@ -47,7 +47,7 @@ def main() -> None:
 
     from plan_scale import GLM46_CONFIG, write_sparse_checkpoint
 
-    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.source import read_checkpoint
     from reshard.read.experts import find_experts
     from reshard.manifest import Manifest, coverage_problems, dump_manifest, manifest_document
     from reshard.plan.mesh import MeshSpec

@@ -254,7 +254,7 @@ def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> tuple[list, l
         from reshard.read import experts  # noqa: F401
 
     timed("import torch, transformers", imports)
-    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.source import read_checkpoint
     from reshard.read.experts import _gc_paused, build_meta_model, layout_from_model
     from reshard.plan.mesh import MeshSpec
     from reshard.plan.placement import make_plan, summarize

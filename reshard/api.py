@@ -1,76 +1,84 @@
-"""Library entry points the CLI calls: one function per command."""
+"""The library's entry layer: one function per command, each opening its sources through `reshard.read.source` and
+returning a frozen result (`reshard.results`) whose `to_json()` is the command's `--json` document and whose
+`summary()` is what it prints. The CLI parses flags, calls one of these and prints.
+"""
 
 from __future__ import annotations
 
-import functools
+import shlex
 
 from .errors import ArchitectureError, UsageError
-from .read.checkpoint import CheckpointIndex, read_checkpoint
 from .plan.mesh import MeshSpec
-from .plan.placement import LayoutMode, ReshardPlan, make_plan
-from .read.quant import OUTPUT_DTYPES, dequantized_view, detect_quantization
-
-
-def read_source(source, *, revision: str | None = None, need_data: bool = False) -> CheckpointIndex:
-    """`read_checkpoint`, and for a quantized checkpoint its bf16 view (`reshard.read.quant.dequantized_view`):
-    what every command plans, writes and verifies against."""
-    index = read_checkpoint(source, revision=revision, need_data=need_data)
-    quantization = detect_quantization(index)
-    return index if quantization is None else dequantized_view(index, quantization)
+from .plan.placement import LayoutMode, make_plan
+from .read.quant import OUTPUT_DTYPES
+from .read.source import DISTRIBUTED, Kind, open_source
+from .results import DemoResult, EnvResult, FilesResult, MergeResult, PlanResult, VerifyResult, WriteResult
 
 
 def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
-                    revision: str | None = None, need_data: bool = False,
-                    drop_unloaded: bool = False) -> ReshardPlan | None:
-    """Read `source`'s metadata, find its experts and plan it on `mesh`.
+                    revision: str | None = None, stream: bool = False, drop_unloaded: bool = False) -> PlanResult:
+    """Read `source`'s metadata (never tensor data), find its experts and plan it on `mesh`: what `reshard plan` runs.
 
     Args:
-        source: a folder, a `.safetensors` file or a Hub repo id.
+        source: anything `reshard.read.source.open_source` opens (a folder, a cache snapshot, a Hub repo id, an
+            `s3://` URL, a reshard or saved folder).
         mesh: the target mesh.
         mode: `balanced` or `stock`.
         revision: Hub revision.
-        need_data: download tensor files too (for writing).
-        drop_unloaded: plan a write that leaves out the tensors the model does not load (see `write_checkpoint`).
+        stream: plan a Hub repo as `write --stream` would read it (the `write` line then says so).
+        drop_unloaded: plan a write that leaves out the tensors the model does not load.
 
     Returns:
-        The plan, or None when the checkpoint has no routed experts.
+        A `PlanResult` (its `plan` is None when the checkpoint has no routed experts).
 
     Raises:
         ReshardError: any problem with the source, the architecture or the mesh.
     """
-    from .read.experts import find_experts
-
-    index = read_source(source, revision=revision, need_data=need_data)
-    layout = find_experts(index)
+    opened = open_source(source, revision=revision, stream=stream, data=False)
+    layout = opened.model_layout()
     if not layout.experts:
-        return None
-    return make_plan(layout, mesh, mode=mode, quantization=index.quantization, drop_unloaded=drop_unloaded)
+        return PlanResult(None, str(source))
+    plan = make_plan(layout, mesh, mode=mode, quantization=opened.quantization, drop_unloaded=drop_unloaded)
+    return PlanResult(plan, str(source), _write_line(str(source), mesh, LayoutMode(mode), revision, stream=stream,
+                                                      quantized=opened.quantization is not None))
+
+
+def _write_line(src: str, mesh: MeshSpec, mode: LayoutMode, revision, *, stream: bool, quantized: bool) -> str:
+    """The `reshard write` command for the mesh and flags just planned, with OUT left for the user to name."""
+    flags = {"--fsdp": mesh.fsdp, "--ep": mesh.ep, "--dp-replicate": mesh.dp_replicate}
+    words = ["reshard", "write", src, "OUT"] + [w for flag, v in flags.items() if v != 1 or flag == "--fsdp"
+                                                for w in (flag, str(v))]
+    words += (["--layout", mode.value] if mode is not LayoutMode.BALANCED else [])
+    words += (["--revision", revision] if revision else []) + (["--stream"] if stream else [])
+    words += ["--dequantize", "bf16"] if quantized else []
+    return " ".join(shlex.quote(w) if w != "OUT" else w for w in words)
 
 
 def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
-                     revision: str | None = None, overwrite: bool = False, max_shard_size: int | None = None,
-                     progress: bool | None = None, workers: int | None = 1, distributed: bool | None = None,
-                     dequantize: str | None = None, drop_unloaded: bool = False) -> dict | None:
+                     revision: str | None = None, stream: bool = False, overwrite: bool = False,
+                     max_shard_size: int | None = None, progress: bool | None = None, workers: int | None = 1,
+                     distributed: bool | None = None, dequantize: str | None = None,
+                     drop_unloaded: bool = False) -> WriteResult | None:
     """Plan `source` on `mesh` and write it to `out`: what `reshard write` runs, with the same defaults except
-    `workers` (see `reshard.write.shards.write_shards`).
+    `workers`.
 
     Args:
-        source: a folder, a `.safetensors` file, a Hub repo id, a reshard folder or a saved distributed checkpoint.
-        out: the output folder; it appears only when complete.
+        source: anything `reshard.read.source.open_source` opens; a reshard or saved folder goes from mesh to mesh.
+        out: the output folder, on a local or shared file system (a URL is refused); it appears only when complete.
         mesh: the target mesh (`reshard.MeshSpec`).
         mode: `balanced` (default) or `stock`.
         revision: Hub revision.
+        stream: read a Hub repo in byte ranges instead of downloading it into the cache first.
         overwrite: replace an existing `out` (only an empty folder or a complete reshard output).
         max_shard_size: split each rank's data into files of at most this many bytes.
         progress: a progress bar on stderr (None: when stderr is a terminal).
-        workers: processes writing in parallel on this machine (`reshard.write.workers`); 1
-            writes in this process, None picks `reshard.write.workers.default_workers`. Above 1, call this under
+        workers: processes writing in parallel on this machine (`reshard.write.workers`); 1 writes in this process,
+            None picks `reshard.write.workers.default_workers`. Above 1, call this under
             `if __name__ == "__main__":` (the workers are spawned). Not with `distributed`.
         distributed: this process is one rank of a job (torchrun) and every rank calls this with the same
             arguments: each reads `source` on its own node and writes its share of the files into `out`, on a file
-            system they all share (`reshard.write.distributed`). None (default): when the launcher's
-            environment says so (`RANK`, `LOCAL_RANK`, `WORLD_SIZE` > 1), as `reshard write` and
-            `reshard.from_pretrained` decide.
+            system they all share (`reshard.write.distributed`). None (default): when the launcher's environment
+            says so (`RANK`, `LOCAL_RANK`, `WORLD_SIZE` > 1), as `reshard write` and `reshard.from_pretrained` decide.
         dequantize: `bf16` to write a quantized source (FP8 block-scaled, MXFP4) as bf16 rank files in one pass;
             required for such a source, ignored for any other.
         drop_unloaded: leave out the on-disk tensors the model does not load (MTP layers, other unexpected keys).
@@ -78,57 +86,187 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
             listed in the manifest's `extras`, and `merge` writes them back.
 
     Returns:
-        The manifest document (None on the ranks other than 0 of a distributed write).
+        A `WriteResult` (its `manifest` is the folder's), or None on the ranks other than 0 of a distributed write.
 
     Raises:
         ReshardError: a problem with the source, the mesh or the output; nothing partial is left. In a distributed
             write, on every rank together.
-        UsageError: `workers` above 1 in a distributed write (it is a `ValueError` too).
+        UsageError: `out` is a URL; `workers` above 1 in a distributed write.
 
     Example:
         >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
     """
-    from .write.distributed import use_distributed, write_distributed
-    from .write.shards import WriteJob, write_shards
+    from .write.runner import run_job
+    from .write.shards import WriteJob
+    from .write.staged import refuse_url_output
 
+    refuse_url_output(out, "OUT")
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
-    read_plan = functools.partial(_read_and_plan, source, mesh, mode=mode, revision=revision, dequantize=dequantize,
-                                  drop_unloaded=drop_unloaded)
-    if use_distributed(distributed, workers, "write"):  # more workers per rank are refused before anything is read
-        return write_distributed(lambda: WriteJob(*read_plan(), max_shard_size), out, overwrite=overwrite,
-                                 progress=progress)
-    plan, index = read_plan()
-    return write_shards(plan, index, out, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,
-                        workers=workers)
+    kinds: list[Kind] = []
+
+    def read_job() -> WriteJob:
+        opened = open_source(source, revision=revision, stream=stream)
+        kinds.append(opened.kind)
+        return WriteJob(*_plan_for_write(opened, mesh, mode, dequantize, drop_unloaded), max_shard_size)
+
+    job, manifest = run_job(read_job, out, command="write", overwrite=overwrite, progress=progress, workers=workers,
+                            distributed=distributed)
+    if job is None:
+        return None
+    return WriteResult(manifest, str(out), str(source), kinds[-1].value, revision)
 
 
-def _read_and_plan(source, mesh: MeshSpec, *, mode, revision, dequantize, drop_unloaded) -> tuple:
-    """(plan, index) for a write: what each rank of a distributed write runs on its own node, so its errors are
-    agreed like any other rank failure. A reshard folder or a saved distributed checkpoint goes from mesh to mesh."""
-    from .read.dcp_source import dcp_kind, read_dcp_source
-    from .read.experts import find_experts
-
-    if dcp_kind(source):
-        index, layout = read_dcp_source(source)
-        return make_plan(layout, mesh, mode=mode, drop_unloaded=drop_unloaded), index
-    index = _read_for_write(source, revision, dequantize)
-    layout = find_experts(index)
-    if not layout.experts:
-        raise ArchitectureError(f"{source}: no routed experts found (not a MoE checkpoint); nothing to reshard.")
-    return make_plan(layout, mesh, mode=mode, quantization=index.quantization, drop_unloaded=drop_unloaded), index
-
-
-def _read_for_write(source, revision: str | None, dequantize: str | None) -> CheckpointIndex:
-    """`read_source` with the data, refusing a quantized source unless `dequantize` says what to write it as (FSDP2
-    trains bf16 weights), and checking it can be decoded before any file is written."""
-    index = read_source(source, revision=revision, need_data=True)
+def _plan_for_write(opened, mesh: MeshSpec, mode, dequantize: str | None, drop_unloaded: bool) -> tuple:
+    """(plan, index) for a write; a quantized source is refused unless `dequantize` says what to write it as (FSDP2
+    trains bf16 weights), and checked decodable before any file is written."""
+    index = opened.index
     if index.quantization is not None:
         if dequantize is None:
-            raise UsageError(f"{source} is quantized ({index.quantization.describe()}); FSDP2 trains bf16 "
+            raise UsageError(f"{opened.spec} is quantized ({index.quantization.describe()}); FSDP2 trains bf16 "
                              "weights, so pass --dequantize bf16 to write bf16 rank files in one pass "
                              "(reshard.write_checkpoint(..., dequantize='bf16')).")
         from .runs.dequant import check_decodable
 
         check_decodable(index)
-    return index
+    layout = opened.model_layout()
+    if not layout.experts:
+        raise ArchitectureError(f"{opened.spec}: no routed experts found (not a MoE checkpoint); nothing to reshard.")
+    return make_plan(layout, mesh, mode=mode, quantization=index.quantization, drop_unloaded=drop_unloaded), index
+
+
+def verify_folder(out, *, against=None, revision: str | None = None, checksums: bool = True,
+                  progress: bool | None = None) -> VerifyResult:
+    """Check a reshard folder (or a merged one) and, with `against`, every byte against its source: what `reshard
+    verify` runs. The problems are in the result (`ok` is False when there is any); see `reshard.verify`, which
+    raises them."""
+    from .verification import check_folder
+
+    return check_folder(out, against=against, revision=revision, checksums=checksums, progress=progress)
+
+
+def verify(out, *, against=None, revision: str | None = None, checksums: bool = True,
+           progress: bool | None = None) -> VerifyResult:
+    """Check a `reshard write` folder; with `against`, compare every byte with the source checkpoint.
+
+    Checks: every manifest file exists with its size and CRC-32; each coordinate's files hold every tensor once (a
+    chunk, an explicit empty marker, or a whole copy of a replicated tensor); each header holds exactly the chunks
+    the manifest derives for it; every sharded tensor's non-empty chunks tile it exactly once; the copied files are
+    there and regular, and `config.json` parses. With `against`: each chunk's bytes equal the source's.
+
+    What this proves is the copying: that the bytes sit where the manifest says and equal the source bytes reshard's
+    key mapping names. It does not prove that mapping right; the tests check that against transformers' own load.
+
+    Raises:
+        ManifestError: `reshard.json` is unsound (a `VerifyError` too), naming the key and the value.
+        VerifyError: listing every problem found, one per line.
+    """
+    from .errors import VerifyError
+    from .manifest import read_manifest
+    from .read.source import locate
+
+    location = locate(out, outside_links=True)
+    if location.kind is Kind.RESHARD:
+        read_manifest(location.store)  # an unsound manifest raises its own ManifestError before any file is read
+    result = verify_folder(out, against=against, revision=revision, checksums=checksums, progress=progress)
+    if not result.ok:
+        raise VerifyError(list(result.problems))
+    return result
+
+
+def list_files(out, ranks) -> FilesResult:
+    """What `ranks` (a `reshard.plan.ranks.RankSpans`, or ranks) need to load the reshard folder `out`, relative to it:
+    what `reshard files` runs.
+
+    Raises:
+        ManifestError: the folder's manifest is unsound.
+        UsageError: a rank outside the folder's mesh (nothing is expanded then).
+    """
+    from .manifest import read_manifest
+    from .plan.ranks import RankSpans
+    from .read.source import locate
+
+    store = locate(out).store
+    manifest = read_manifest(store)
+    spans = ranks if isinstance(ranks, RankSpans) else RankSpans.of(ranks)
+    chosen = spans.expand(manifest.mesh.world_size)  # bounded by the mesh before any span is expanded
+    names = manifest.files_for_ranks(chosen)
+    size = sum(store.size(n) for n in names if store.exists(n))
+    return FilesResult(str(out), tuple(chosen), tuple(sorted({manifest.mesh.coord_of(r) for r in chosen})),
+                       tuple(names), size)
+
+
+def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout: str = "original",
+                     overwrite: bool = False, progress: bool | None = None, extras_from=None,
+                     workers: int | None = 1, distributed: bool | None = False) -> MergeResult | None:
+    """Merge a reshard folder or a saved distributed checkpoint into a standard HF checkpoint at `dest`: what
+    `reshard merge` runs.
+
+    Args:
+        source: a `reshard write` folder, or a folder written by `save_pretrained(..., distributed_checkpoint=True)`
+            (local or `s3://`).
+        dest: the output folder, on a local or shared file system (a URL is refused); must not exist unless
+            `overwrite`, and then be empty, a merge output or a reshard output.
+        max_shard_size: bytes per output file at most (a larger tensor gets a file of its own); None: 5 GB, as
+            transformers and the Hub write them.
+        layout: `original` (the source checkpoint's on-disk keys and shapes, per-expert keys split back out; for a
+            saved folder what transformers' own `save_pretrained` writes) or `fused` (the in-memory names).
+        overwrite: replace an existing `dest` (swapped in only once complete).
+        progress: a byte progress bar (None: only on a terminal; False: never).
+        extras_from: for a trained folder saved without them, the reshard folder or HF checkpoint the training
+            started from, whose tensors the model does not load (MTP layers) are written back beside the trained ones.
+        workers: processes writing shares of the output files on this machine; 1 writes in this process, None picks
+            the default. Above 1, call this under `if __name__ == "__main__":`. The output is byte-identical.
+        distributed: this process is one rank of a torchrun job and every rank calls this with the same arguments:
+            each writes a share of the files into `dest`, on a file system they all share. None: when the launcher's
+            environment says so. Not with `workers`.
+
+    Returns:
+        A `MergeResult`, or None on the ranks other than 0 of a distributed merge.
+
+    Raises:
+        CheckpointError: the input is incomplete (a rank file missing, a gap, overlapping chunks, mixed dtypes), or
+            `original` is not known for it; checked before anything is written. Also: a source file's CRC-32
+            differs from its manifest's (nothing is kept).
+        OutputError: `dest` exists and may not be replaced, is or holds the source, another write holds it, or the
+            disk is full; nothing partial is left.
+        UsageError: `dest` is a URL; `source` is no distributed checkpoint; `workers` above 1 in a distributed merge.
+
+    Example:
+        >>> reshard.merge_checkpoint("ckpt-step1000", "published")  # doctest: +SKIP
+    """
+    from .write.merge import DEFAULT_MAX_SHARD_SIZE, merge_job
+    from .write.runner import run_job
+    from .write.staged import refuse_url_output
+
+    refuse_url_output(dest, "DEST")
+
+    def read_job():
+        extras = None if extras_from is None else open_source(extras_from)
+        return merge_job(open_source(source, kinds=DISTRIBUTED), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+                         layout=layout, extras_from=extras)
+
+    job, _ = run_job(read_job, dest, command="merge", overwrite=overwrite, progress=progress, workers=workers,
+                     distributed=distributed)
+    if job is None:
+        return None
+    from .write.merge import left_out
+
+    return MergeResult(str(dest), str(source), len(job.names), sum(len(p) for p in job.parts),
+                       len({t.target.name for p in job.parts for t in p}), sum(job.unit_sizes),
+                       job.layout_mode.value, job.index.kind, job.checked, len(job.layout.extras),
+                       left_out(job.index, job.layout))
+
+
+def environment() -> EnvResult:
+    """What `reshard env` reports: versions, the loader patch's hooks, the tested matrix, launcher variables."""
+    from .env import environment_report
+
+    return EnvResult(environment_report())
+
+
+def demo(*, ranks: int = 4, keep=None, echo=print) -> DemoResult:
+    """Run the whole job on a tiny generated checkpoint (`reshard.demo.run_demo`): what `reshard demo` runs."""
+    from .demo import run_demo
+
+    return run_demo(ranks=ranks, keep=keep, echo=echo)

@@ -1,24 +1,23 @@
 """The `reshard` command line: plan, write, verify, files, merge, demo, env (in the order `--help` lists them).
 
-Each command validates its flags, calls one library function and prints a summary (or `--json`). Errors reach
-the user through one boundary (`ReshardGroup.invoke`): a bad call, or flags that cannot work with the input
-(`UsageError`: a mesh the model does not fit, a quantized source without --dequantize) exits 2 with the usage line,
-any other `ReshardError` becomes its message and exit 1, `--debug` shows the traceback; Ctrl-C exits 130 and
-SIGTERM 143 (128 + the signal), after cleaning up.
+Each command parses its flags, calls one function of the entry layer (`reshard.api`) and prints the result it returns
+(`summary()`, or `to_json()` with `--json`). Errors reach the user through one boundary (`ReshardGroup.invoke`): a bad
+call, or flags that cannot work with the input (`UsageError`: a mesh the model does not fit, a quantized source without
+--dequantize, a URL as OUT) exits 2 with the usage line, any other `ReshardError` becomes its message and exit 1,
+`--debug` shows the traceback; Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), after cleaning up.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import re
-import shlex
 import signal
 import sys
 
 import click
 
 from .errors import ReshardError, UsageError
+from .plan.ranks import RankSpans
 
 
 def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
@@ -31,9 +30,9 @@ def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
 
 
 class ReshardGroup(click.Group):
-    """The single error boundary: a mesh that cannot be used exits 2 like a bad call, other domain errors print
-    their message (exit 1), unless --debug; interruptions exit 128 + the signal. `--help` lists the commands in
-    the order a user runs them."""
+    """The single error boundary: flags that cannot work exit 2 like a bad call, other domain errors print their
+    message (exit 1), unless --debug; interruptions exit 128 + the signal. `--help` lists the commands in the order a
+    user runs them."""
 
     FLOW = ("plan", "write", "verify", "files", "merge", "demo", "env")
 
@@ -50,8 +49,6 @@ class ReshardGroup(click.Group):
         except UsageError as e:
             if ctx.params.get("debug"):
                 raise
-            # The flags are the cause (a mesh that cannot hold the model, a quantized source without --dequantize):
-            # show the command's usage, as click does for a flag it rejects itself.
             command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
             usage_ctx = click.Context(command, info_name=ctx.invoked_subcommand, parent=ctx) if command else ctx
             raise click.UsageError(str(e), ctx=usage_ctx) from e
@@ -65,19 +62,57 @@ class ReshardGroup(click.Group):
             sys.exit(128 + signum)
 
 
+class ParsedType(click.ParamType):
+    """A flag whose text `parse` turns into a value, a `UsageError` (or `click.BadParameter`) becoming click's own
+    refusal; a value that is already `parsed` (a default) passes as it is."""
+
+    parse = staticmethod(str)
+    parsed: type = str
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, self.parsed):
+            return value
+        try:
+            return self.parse(value)
+        except (click.BadParameter, UsageError) as e:
+            self.fail(getattr(e, "message", None) or str(e), param, ctx)
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """`5GB`, `500MiB`, `1000000` as bytes; at least one byte."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", text)  # one number, ASCII digits
+    if not m or m.group(2).upper() not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000.")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size < 1:
+        raise click.BadParameter(f"{text!r} is {size} bytes: a file size is at least 1 byte (e.g. 5GB, 500MiB).")
+    return size
+
+
+class SizeType(ParsedType):
+    name, parse, parsed = "size", staticmethod(parse_size), int
+
+
+class RanksType(ParsedType):
+    name, parse, parsed = "ranks", staticmethod(RankSpans.parse), RankSpans
+
+
 def mesh_options(func):
-    """The mesh flags shared by every command, mirroring transformers' DistributedConfig."""
+    """The mesh flags shared by every command, mirroring transformers' DistributedConfig (tensor and pipeline
+    parallelism stay hidden until reshard writes layouts for them)."""
 
     @click.option("--fsdp", type=click.IntRange(min=1), required=True,
-                  help="fsdp_size: ranks sharding every parameter (with EP, experts use efsdp = fsdp*tp/ep).")
+                  help="fsdp_size: ranks sharding every parameter (with EP, experts use efsdp = fsdp/ep).")
     @click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
                   help="ep_size: expert-parallel ranks; must divide fsdp and the number of experts.")
     @click.option("--dp-replicate", type=click.IntRange(min=1), default=1, show_default=True,
                   help="dp_replicate_size: HSDP replicas; replicas share the same files.")
-    @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-                  help="tp_size: tensor parallelism (not supported yet: must be 1).")
-    @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
-                  help="pp_size: pipeline parallelism (not supported yet: must be 1).")
+    @click.option("--tp", type=click.IntRange(min=1), default=1, hidden=True)
+    @click.option("--pp", type=click.IntRange(min=1), default=1, hidden=True)
     @functools.wraps(func)
     def wrapper(*args, fsdp, ep, dp_replicate, tp, pp, **kwargs):
         from .plan.mesh import MeshSpec
@@ -91,11 +126,20 @@ def mesh_options(func):
     return wrapper
 
 
+def _show(result, as_json: bool) -> None:
+    click.echo(result.to_json() if as_json else result.summary())
+
+
 layout_option = click.option(
     "--layout", "mode", type=click.Choice(["balanced", "stock"]), default="balanced", show_default=True,
     help="balanced: split uneven expert tensors on a dim that divides evenly; stock: as transformers does.")
 revision_option = click.option("--revision", metavar="REV", default=None,
                                help="Hub branch, tag or commit (Hub sources only).")
+stream_option = click.option("--stream", is_flag=True,
+                             help="Read a Hub SRC in byte ranges instead of downloading it first (cached files are "
+                                  "read from the cache).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as a JSON document instead.")
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 
 
 @click.group(cls=ReshardGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -116,7 +160,9 @@ def cli(debug):
       torchrun ... train.py                    # reshard.from_pretrained(OUT), train, save
       reshard merge  SAVED HF_OUT              # back to a standard HF checkpoint
 
-    SRC is a checkpoint folder, a .safetensors file, or a Hub repo id (org/name).
+    SRC is a checkpoint folder or .safetensors file, a Hugging Face cache snapshot folder, a Hub repo id
+    (org/name), an s3://bucket/prefix URL (pip install 'reshard[s3]'; endpoint and credentials from the AWS
+    environment), a reshard folder or a save_pretrained(..., distributed_checkpoint=True) folder.
     """
 
 
@@ -125,43 +171,23 @@ def cli(debug):
 @mesh_options
 @layout_option
 @revision_option
+@stream_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as a JSON document (reshard_plan_version 1).")
-def plan(src, mesh, mode, revision, as_json):
+def plan(src, mesh, mode, revision, stream, as_json):
     """Show how SRC would be sharded on the mesh, stock vs reshard, from headers only.
 
     Reads config.json, the index and the safetensors headers (never tensor data), finds the routed experts with
     transformers' conversion mapping, simulates transformers + FSDP2 for every tensor and rank, flags every empty
-    local, and shows the layout `reshard write` would produce.
+    local, and shows the layout `reshard write` would produce. SRC is anything `write` takes.
 
     \b
     Example:
       reshard plan zai-org/GLM-4.6 --fsdp 64 --ep 8
+      reshard plan s3://models/GLM-4.6 --fsdp 64 --ep 8
     """
     from .api import plan_checkpoint
-    from .plan.report import plan_to_dict, render_plan
 
-    result = plan_checkpoint(src, mesh, mode=mode, revision=revision)
-    if result is None:
-        message = f"{src}: no routed experts found (not a MoE checkpoint); nothing to reshard."
-        click.echo(json.dumps({"reshard_plan_version": 1, "source": src, "routed_experts": 0, "message": message},
-                              indent=2) if as_json else message)
-        return
-    if as_json:
-        click.echo(json.dumps(plan_to_dict(result, src), indent=2))
-    else:
-        click.echo(render_plan(result, src))
-        click.echo(f"\nnext: {_write_line(src, mesh, mode, revision, quantized=result.quantization is not None)}")
-
-
-def _write_line(src, mesh, mode, revision, *, quantized: bool) -> str:
-    """The `reshard write` command for the mesh and flags just planned, with OUT left for the user to name."""
-    flags = {"--fsdp": mesh.fsdp, "--ep": mesh.ep, "--dp-replicate": mesh.dp_replicate, "--tp": mesh.tp,
-             "--pp": mesh.pp}
-    words = ["reshard", "write", str(src), "OUT", "--fsdp", str(mesh.fsdp)]
-    words += [w for flag, value in flags.items() if flag != "--fsdp" and value != 1 for w in (flag, str(value))]
-    words += (["--layout", mode] if mode != "balanced" else []) + (["--revision", revision] if revision else [])
-    words += ["--dequantize", "bf16"] if quantized else []
-    return " ".join(shlex.quote(w) if w != "OUT" else w for w in words)
+    _show(plan_checkpoint(src, mesh, mode=mode, revision=revision, stream=stream), as_json)
 
 
 def main() -> None:
@@ -169,41 +195,13 @@ def main() -> None:
     cli(prog_name="reshard")
 
 
-def _parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)  # one number: `1.2.3` is a usage error
-    if not m or m.group(2).upper() not in units:
-        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000.")
-    return int(float(m.group(1)) * units[m.group(2).upper()])
-
-
-class ParsedType(click.ParamType):
-    """A flag whose text `parse` turns into a value, raising `click.BadParameter` with the message; a value that is
-    already `parsed` (a default) passes as it is."""
-
-    parse = staticmethod(str)
-    parsed: type = str
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, self.parsed):
-            return value
-        try:
-            return self.parse(value)
-        except click.BadParameter as e:
-            self.fail(e.message, param, ctx)
-
-
-class SizeType(ParsedType):
-    name, parse, parsed = "size", staticmethod(_parse_size), int
-
-
 @cli.command(short_help="Write SRC into OUT as per-rank files for the mesh.")
 @click.argument("src")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out")
 @mesh_options
 @layout_option
 @revision_option
+@stream_option
 @click.option("--max-shard-size", type=SizeType(), default=None,
               help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
@@ -219,203 +217,97 @@ class SizeType(ParsedType):
 @click.option("--drop-unloaded", is_flag=True,
               help="Leave out the tensors the model does not load (MTP layers). Default: kept in files no rank "
                    "loads, for merge.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
-def write(src, out, mesh, mode, revision, max_shard_size, overwrite, workers, distributed, dequantize, drop_unloaded,
-          quiet, as_json):
+@quiet_option
+@json_option
+def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, workers, distributed, dequantize,
+          drop_unloaded, quiet, as_json):
     """Write SRC as per-rank shard files for the mesh into OUT, plus reshard.json.
 
     Every rank gets its own file (replicas share them): a non-empty slice of every tensor, or an explicit empty
     marker where no even split exists. Bytes are copied exactly (no dtype change); fused experts are composed
-    from per-expert keys slice by slice. OUT appears only when complete; an interrupted write leaves nothing.
-    Non-weight files (config, tokenizer, ...) are copied as they are. Several writers (--workers on one machine,
-    or the ranks of a torchrun job) write shares of the files into one temporary folder; the result is the same.
-    A quantized SRC needs --dequantize bf16: each chunk is then computed from just the source rows and scales it
-    needs (the one case where bytes change), and --workers uses the cores for it.
+    from per-expert keys slice by slice. OUT is a folder on a local or shared file system; it appears only when
+    complete, and an interrupted write leaves nothing. Non-weight files (config, tokenizer, ...) are copied as
+    they are. Several writers (--workers on one machine, or the ranks of a torchrun job) write shares of the
+    files into one temporary folder; the result is the same. A quantized SRC needs --dequantize bf16: each chunk
+    is then computed from just the source rows and scales it needs, and --workers uses the cores for it.
 
     \b
     Example:
       reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
-      reshard write deepseek-ai/DeepSeek-V3 ./dsv3-ep8 --fsdp 64 --ep 8 --dequantize bf16 --workers 64
+      reshard write s3://models/GLM-4.6 ./glm-ep8 --fsdp 64 --ep 8
+      reshard write deepseek-ai/DeepSeek-V3 ./dsv3-ep8 --fsdp 64 --ep 8 --dequantize bf16 --stream
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
           -m reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
     """
     from .api import write_checkpoint
 
-    manifest = write_checkpoint(src, out, mesh, mode=mode, revision=revision, overwrite=overwrite,
-                                max_shard_size=max_shard_size, progress=False if quiet else None,
-                                workers=workers, distributed=distributed, dequantize=dequantize,
-                                drop_unloaded=drop_unloaded)
-    if manifest is None:
-        return  # another rank of a distributed write: rank 0 prints the summary
-    total = sum(f["bytes"] for f in manifest["files"])
-    empty = sum(c["empty_markers"] for c in manifest["coords"])
-    dequantized = sum("dequantized_from" in t for t in manifest["tensors"].values())
-    extras = sum(len(f["keys"]) for f in manifest.get("extras") or ())
-    from .read.dcp_source import dcp_kind
-
-    kind = dcp_kind(src)  # a reshard folder's files were checked against its CRC-32s; a saved folder has none
-    if as_json:
-        click.echo(json.dumps({"out": out, "files": len(manifest["files"]), "bytes": total,
-                               "tensors": len(manifest["tensors"]), "dequantized_tensors": dequantized,
-                               "empty_markers": empty, "source_crc32_checked": kind == "reshard",
-                               "extras": extras,
-                               "layout": manifest["layout"], "mesh": manifest["mesh"],
-                               "distributed_config": manifest["distributed_config"]}, indent=2))
-        return
-    click.echo(f"wrote {out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, {len(manifest['tensors'])} "
-               f"tensors" + (f" ({dequantized} dequantized to bf16)" if dequantized else "")
-               + f", {empty} explicit empty marker(s)"
-               + (f"; {extras} tensor(s) the model does not load kept in extra-*.safetensors." if extras else "."))
-    if kind == "saved":
-        click.echo(_UNCHECKED_SAVED)
-    # A folder in the distributed-checkpoint layout is no `--against` source: verify checks the output on its own.
-    against = None if kind else src
-    click.echo("next:\n  " + _verify_line(out, against, revision)
-               + f"\n  load: reshard.from_pretrained({out!r}) on every rank of the job ({plan_mesh_repr(manifest)})")
-
-
-def _verify_line(out, against, revision=None) -> str:
-    """The `reshard verify` command that checks what a command just wrote, ready to paste."""
-    words = ["reshard", "verify", out] + (["--against", against] if against else [])
-    return " ".join(map(shlex.quote, map(str, words + (["--revision", revision] if revision and against else []))))
-
-
-_UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
-                    "CRC-32: its bytes were copied as they are, not checked.")
-
-
-def plan_mesh_repr(manifest: dict) -> str:
-    from .plan.mesh import MeshSpec
-
-    return MeshSpec(**manifest["mesh"]).distributed_config_repr()
+    result = write_checkpoint(src, out, mesh, mode=mode, revision=revision, stream=stream, overwrite=overwrite,
+                              max_shard_size=max_shard_size, progress=False if quiet else None, workers=workers,
+                              distributed=distributed, dequantize=dequantize, drop_unloaded=drop_unloaded)
+    if result is not None:  # None: another rank of a distributed write; rank 0 prints the summary
+        _show(result, as_json)
 
 
 @cli.command(name="verify", short_help="Check OUT's files and coverage; with --against SRC, every byte.")
-@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("out")
 @click.option("--against", "against", metavar="SRC", default=None,
               help="The source checkpoint: compare every byte with it.")
 @revision_option
 @click.option("--no-checksums", is_flag=True, help="Skip recomputing each file's CRC-32 (faster, less thorough).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as a JSON document (also when it fails).")
 def verify_command(out, against, revision, no_checksums, quiet, as_json):
     """Prove OUT complete and exact: files vs manifest, coverage, empty markers; with --against SRC, every byte.
 
     Prints one line per problem and exits 1 if there is any. This checks the copying (every byte where the
-    manifest says, equal to the source bytes reshard's key mapping names), not the mapping itself.
+    manifest says, equal to the source bytes reshard's key mapping names), not the mapping itself. OUT may be a
+    local folder or an s3:// URL; a plain HF checkpoint (what `reshard merge` writes) is checked as one.
 
     \b
     Example:
       reshard verify ./mixtral-fsdp5 --against ./Mixtral-8x7B
     """
-    from .verification import check_folder
+    from .api import verify_folder
 
-    summary = check_folder(out, against=against, revision=revision, checksums=not no_checksums,
+    result = verify_folder(out, against=against, revision=revision, checksums=not no_checksums,
                            progress=False if quiet else None)
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
-    problems = summary["problems"]
-    if problems:
-        for line in problems:
+        click.echo(result.to_json())
+    if not result.ok:
+        for line in result.problems:
             click.echo(f"FAIL {line}", err=True)
-        raise click.ClickException(f"{out}: {len(problems)} problem(s).")
-    if as_json:
-        return
-    if summary.get("kind") == "merged":  # a plain HF checkpoint, as `reshard merge` writes it
-        what = f"{summary['files']} files, {summary['tensors']} tensors, index and headers agree"
-    else:
-        what = (f"{summary['files']} files, {summary['tensors']} tensors, {summary['empty_markers']} explicit empty "
-                "marker(s), every tensor covered exactly once")
-    click.echo(f"OK {out}: {what}"
-               + (f", {summary['bytes_compared']} bytes equal to {against}" if against else "")
-               + (f" ({len(summary['dequantized_tensors'])} tensors recomputed from its quantized weights)"
-                  if summary["dequantized_tensors"] else "") + ".")
-
-
-@cli.command(short_help="Run the whole job on a tiny generated model (nothing downloaded).")
-@click.option("--ranks", type=click.IntRange(min=2, max=16), default=4, show_default=True,
-              help="CPU processes for the multi-rank load (the mesh is --fsdp RANKS).")
-@click.option("--keep", type=click.Path(file_okay=False), metavar="DIR", default=None,
-              help="Keep the generated checkpoint, the output and the rank reports in this folder.")
-def demo(ranks, keep):
-    """Run the whole job on a tiny generated checkpoint: plan, write, a multi-rank CPU load, verify.
-
-    The checkpoint (a 2-layer Qwen3-MoE with RANKS/2 experts) leaves ranks empty under stock transformers;
-    the demo shows the plan, writes per-rank files, loads them on RANKS gloo processes with
-    reshard.from_pretrained, checks every tensor against a single-process load, and verifies the folder.
-    Nothing is downloaded.
-    """
-    from .demo import run_demo
-
-    run_demo(ranks=ranks, keep=keep, echo=click.echo)
-
-
-class RankSpans(tuple):
-    """`--ranks` as typed: inclusive `(first, last)` spans, expanded only once bounded by the mesh (`expand`): a
-    span like 0-99999999999 must never become a list first."""
-
-    def expand(self, world: int) -> list[int]:
-        """The ranks, sorted and distinct.
-
-        Raises:
-            UsageError: a rank is outside a mesh of `world` ranks (nothing is expanded then).
-        """
-        top = max(last for _, last in self)
-        if top >= world:
-            raise UsageError(f"--ranks names rank {top}, but the folder's mesh has {world} ranks (0-{world - 1}); "
-                             "pass ranks of that mesh. Nothing was listed.")
-        return sorted({r for first, last in self for r in range(first, last + 1)})
-
-
-def _parse_ranks(text: str) -> RankSpans:
-    spans = []
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
-            raise click.BadParameter(f"{text!r} is not a rank list like 0-7 or 0,8,16-23.")
-        spans.append((int(first), int(last or first)))
-    return RankSpans(spans)
-
-
-class RanksType(ParsedType):
-    name, parse, parsed = "ranks", staticmethod(_parse_ranks), RankSpans
+        raise click.ClickException(f"{out}: {len(result.problems)} problem(s).")
+    if not as_json:
+        click.echo(result.summary())
 
 
 @cli.command(name="files", short_help="List the files RANKS need to load OUT (node-local copies).")
-@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("out")
 @click.option("--ranks", type=RanksType(), required=True,
-              help="Global ranks, e.g. 0-7 (one node of 8 GPUs) or 0,8,16-23.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (files, coords, bytes) instead.")
+              help="Global ranks, counted from 0: 0-7 (one node of 8 GPUs) or 0,8,16-23.")
+@json_option
 def files_command(out, ranks, as_json):
     """List the files RANKS need to load OUT: the manifest, config and tokenizer files, and their shard files.
 
     Each rank coordinate's files hold everything its ranks load, so a node can load from its own copy of just these
-    files (node-local NVMe instead of a shared file system). Paths are relative to OUT, one per line.
+    files (node-local NVMe instead of a shared file system). Paths are relative to OUT, one per line. Ranks count
+    from 0 and shard files from 1: shard-00003-... holds what the ranks of coordinate 2 load.
 
     \b
     Example (node 1 of an 8-GPU-per-node job):
       reshard files ./glm-ep8-fsdp64 --ranks 8-15 | rsync -a --files-from=- ./glm-ep8-fsdp64 node1:/nvme/glm
     """
-    from pathlib import Path
+    from .api import list_files
 
-    from .manifest import read_manifest
-
-    manifest = read_manifest(out)
-    ranks = ranks.expand(manifest.mesh.world_size)  # bounded by the mesh before any span is expanded
-    names = manifest.files_for_ranks(ranks)
-    if as_json:
-        coords = sorted({manifest.mesh.coord_of(r) for r in ranks})
-        sizes = sum((Path(out) / n).stat().st_size for n in names if (Path(out) / n).is_file())
-        click.echo(json.dumps({"out": str(out), "ranks": ranks, "coords": coords, "files": names, "bytes": sizes},
-                              indent=2))
-    else:
-        click.echo("\n".join(names))
+    result = list_files(out, ranks)
+    if not as_json:
+        click.echo(result.numbering(), err=True)
+    _show(result, as_json)
 
 
 @cli.command(name="merge", short_help="Merge distributed SRC back into DEST, a standard HF checkpoint.")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
-@click.argument("dest", type=click.Path(file_okay=False))
+@click.argument("src")
+@click.argument("dest")
 @click.option("--max-shard-size", type=SizeType(), default="5GB", show_default=True,
               help="Files of at most this size (5GB, 500MiB, bytes), as save_pretrained writes them.")
 @click.option("--layout", "layout", type=click.Choice(["original", "fused"]), default="original", show_default=True,
@@ -433,19 +325,17 @@ def files_command(out, ranks, as_json):
 @click.option("--distributed/--no-distributed", default=None,
               help="Merge as one rank of a torchrun job, into a shared DEST. Default: on when RANK, LOCAL_RANK "
                    "and WORLD_SIZE > 1 are set.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as a JSON document.")
+@quiet_option
+@json_option
 def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, workers, distributed, quiet, as_json):
     """Merge SRC, a distributed checkpoint, into DEST, a standard Hugging Face checkpoint.
 
     SRC is a reshard folder (`reshard write`) or a folder saved by transformers'
-    `model.save_pretrained(dir, distributed_checkpoint=True)` on any mesh (EP included). DEST gets
+    `model.save_pretrained(dir, distributed_checkpoint=True)` on any mesh (EP included), local or s3://. DEST gets
     model-0000N-of-0000M.safetensors files, model.safetensors.index.json and the config and tokenizer files: what
     the Hub, vLLM, SGLang and from_pretrained load. Every tensor is copied byte for byte from the chunks that cover
     it (never the whole model in memory); a tensor the chunks do not cover exactly (a rank file missing, overlapping
     saves, mixed dtypes) is an error naming it, before anything is written. DEST appears only when complete.
-    Several writers (--workers on one machine, or the ranks of a torchrun job) write shares of DEST's files into one
-    temporary folder; the result is the same, byte for byte.
     To resume on another mesh instead, `reshard write SRC OUT --fsdp F --ep E` takes the same SRC.
 
     \b
@@ -454,26 +344,31 @@ def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, wor
       reshard verify ./published --against ./ckpt-step1000 # every tensor equal, byte for byte
       torchrun --nproc-per-node 8 -m reshard merge ./ckpt-step1000 ./published
     """
-    from .write.merge import merge_checkpoint
+    from .api import merge_checkpoint
 
-    summary = merge_checkpoint(src, dest, max_shard_size=max_shard_size, layout=layout, overwrite=overwrite,
-                               progress=False if quiet else None, extras_from=extras_from, workers=workers,
-                               distributed=distributed)
-    if summary is None:
-        return  # another rank of a distributed merge: rank 0 prints the summary
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-        return
-    click.echo(f"merged {src} into {dest}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "
-               f"{summary['tensors']} tensors in the {layout} layout"
-               + (f", {summary['extras']} of them the model does not load (MTP layers, ...)." if summary["extras"]
-                  else "."))
-    if summary["left_out"]:
-        click.echo(f"left out: {summary['left_out']}.")
-    if not summary["source_crc32_checked"]:
-        click.echo(_UNCHECKED_SAVED)
-    click.echo(f"next:\n  {_verify_line(dest, src)}\n  load: AutoModelForCausalLM.from_pretrained({dest!r}), "
-               f"or publish it: hf upload ORG/NAME {shlex.quote(str(dest))}")
+    result = merge_checkpoint(src, dest, max_shard_size=max_shard_size, layout=layout, overwrite=overwrite,
+                              progress=False if quiet else None, extras_from=extras_from, workers=workers,
+                              distributed=distributed)
+    if result is not None:  # None: another rank of a distributed merge; rank 0 prints the summary
+        _show(result, as_json)
+
+
+@cli.command(short_help="Run the whole job on a tiny generated model (nothing downloaded).")
+@click.option("--ranks", type=click.IntRange(min=2, max=16), default=4, show_default=True,
+              help="CPU processes for the multi-rank load (the mesh is --fsdp RANKS).")
+@click.option("--keep", type=click.Path(file_okay=False), metavar="DIR", default=None,
+              help="Keep the generated checkpoint, the output and the rank reports in this folder.")
+def demo(ranks, keep):
+    """Run the whole job on a tiny generated checkpoint: plan, write, a multi-rank CPU load, verify.
+
+    The checkpoint (a 2-layer Qwen3-MoE with RANKS/2 experts) leaves ranks empty under stock transformers;
+    the demo shows the plan, writes per-rank files, loads them on RANKS gloo processes with
+    reshard.from_pretrained, checks every tensor against a single-process load, and verifies the folder.
+    Nothing is downloaded. Without --keep the files are removed at the end (the last line says where they were).
+    """
+    from .api import demo as run_demo
+
+    click.echo(run_demo(ranks=ranks, keep=keep, echo=click.echo).summary())
 
 
 @cli.command(name="env", short_help="Versions, loader-patch hooks, launcher variables: for a bug report.")
@@ -491,7 +386,6 @@ def env_command(as_json):
       reshard env            # paste the lines into the issue
       reshard env --json
     """
-    from .env import environment_report, format_report
+    from .api import environment
 
-    report = environment_report()
-    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    _show(environment(), as_json)

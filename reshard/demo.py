@@ -14,26 +14,26 @@ from pathlib import Path
 from .errors import ReshardError
 
 
-def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=print, timeout: float = 300) -> dict:
+def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=print, timeout: float = 300):
     """Generate a tiny MoE checkpoint, plan it, write it, load it on `ranks` gloo processes, verify it.
 
     Args:
         ranks: processes of the CPU load (the mesh is `--fsdp ranks`).
-        keep: keep the checkpoint and the output in this folder (default: a temporary folder, removed).
-        echo: where the report lines go.
+        keep: keep the checkpoint and the output in this folder (default: a temporary folder, removed at the end,
+            which the last line says, with how to keep it).
+        echo: where the progress lines go.
         timeout: seconds before the multi-rank load counts as hung.
 
     Returns:
-        A summary with each rank's report.
+        A `reshard.results.DemoResult`: each rank's report, the folder, whether it was kept, the report lines.
 
     Raises:
         ReshardError: any step failed (the message says which and why).
     """
-    from .api import plan_checkpoint, write_checkpoint
+    from .api import plan_checkpoint, verify, write_checkpoint
     from .plan.mesh import MeshSpec
-    from .plan.report import render_plan
+    from .results import DemoResult
     from .tiny import make_tiny_checkpoint
-    from .verification import verify
 
     if ranks < 2:
         raise ReshardError("--ranks must be at least 2 for a multi-rank load.")
@@ -48,23 +48,25 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
         if not src.exists():
             make_tiny_checkpoint("qwen3_moe", src, experts=experts)
         echo(f"\n2/5 reshard plan {src.name} --fsdp {ranks}\n")
-        plan = plan_checkpoint(src, mesh)
-        echo(render_plan(plan, src.name))
+        planned = plan_checkpoint(src, mesh)
+        echo(planned.summary().rsplit("\n\nnext:", 1)[0].replace(str(src), src.name))
         echo(f"\n3/5 reshard write {src.name} {out.name} --fsdp {ranks}")
-        manifest = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
-        echo(f"    {len(manifest['files'])} files, {sum(c['empty_markers'] for c in manifest['coords'])} explicit "
-             "empty marker(s)")
+        written = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
+        echo(f"    {len(written.manifest.files)} files, {written.manifest.empty_markers} explicit empty marker(s)")
         echo(f"\n4/5 loading on {ranks} CPU processes (gloo) with reshard.from_pretrained")
         shutil.rmtree(reports, ignore_errors=True)
         reports.mkdir()
         _launch(ranks, out, src, reports, timeout)
-        per_rank = [json.loads((reports / f"rank{r}.json").read_text()) for r in range(ranks)]
+        per_rank = tuple(json.loads((reports / f"rank{r}.json").read_text()) for r in range(ranks))
         echo(f"\n5/5 reshard verify {out.name} --against {src.name}")
-        summary = verify(out, against=src)
-        echo(f"    OK: {summary['tensors']} tensors covered exactly once, {summary['bytes_compared']} bytes equal "
+        checked = verify(out, against=src)
+        echo(f"    OK: {checked.tensors} model tensors covered exactly once, {checked.bytes_compared} bytes equal "
              "to the source")
-        _report(echo, plan, manifest, per_rank, ranks, time.monotonic() - started)
-        return {"ranks": per_rank, "manifest": manifest, "verify": summary, "folder": str(root)}
+        lines = _report(planned.plan, written.manifest, per_rank, ranks, time.monotonic() - started)
+        lines.append(f"  the checkpoint, the output and the rank reports are in {root}" if keep else
+                     f"  the generated checkpoint and its output were in {root} and are removed now; to keep them and "
+                     "try the next commands on them: reshard demo --keep DIR")
+        return DemoResult(str(root), bool(keep), per_rank, tuple(lines))
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -91,26 +93,27 @@ def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float) -> 
         raise ReshardError("the multi-rank load failed:\n" + "\n".join(errors) + "\n" + result.stderr[-2000:])
 
 
-def _report(echo, plan, manifest, per_rank, ranks, elapsed) -> None:
+def _report(plan, manifest, per_rank, ranks, elapsed) -> list[str]:
     from .plan.placement import summarize
 
     _, stats = summarize(plan)
     empty = stats["stock_empty_ranks"]
-    total = sum(f["bytes"] for f in manifest["files"])
-    echo("\nreport")
+    lines = ["", "report"]
     if empty:
-        echo(f"  stock transformers on this mesh: {'rank' if len(empty) == 1 else 'ranks'} {', '.join(map(str, empty))} "
-             "get no expert rows; loading the "
-             "original checkpoint there fails in weight conversion (torch.stack of nothing) on CPU, and on CUDA the "
-             "empty ranks run weight init alone and hang in DTensor's RNG broadcast.")
+        lines.append(f"  stock transformers on this mesh: {'rank' if len(empty) == 1 else 'ranks'} "
+                     f"{', '.join(map(str, empty))} get no expert rows; loading the original checkpoint there fails "
+                     "in weight conversion (torch.stack of nothing) on CPU, and on CUDA the empty ranks run weight "
+                     "init alone and hang in DTensor's RNG broadcast.")
     else:
-        echo("  stock transformers on this mesh: no empty ranks.")
+        lines.append("  stock transformers on this mesh: no empty ranks.")
     for report in per_rank:
         shapes = sorted({tuple(s) for s in report["experts"].values()})
-        echo(f"  rank {report['rank']}: read {report['bytes']:>7} bytes from {', '.join(report['files']) or '-'}; "
-             f"expert locals {', '.join('x'.join(map(str, s)) for s in shapes)}; "
-             f"{report['tensors']} tensors equal to the single-process load")
+        lines.append(f"  rank {report['rank']}: read {report['bytes']:>7} bytes from "
+                     f"{', '.join(report['files']) or '-'}; expert shards of shape "
+                     f"{', '.join(str(list(s)) for s in shapes)}; {report['tensors']} model tensors equal to the "
+                     "single-process load")
     share = sum(r["bytes"] for r in per_rank) / ranks
-    echo(f"  files total {total} bytes; the largest rank read {max(r['bytes'] for r in per_rank)} bytes of tensor "
-         f"data, {max(r['bytes'] for r in per_rank) / share:.2f}x an even 1/{ranks} share")
-    echo(f"  every tensor matched bit for bit on every rank; no empty rank, no hang. ({elapsed:.0f} s)")
+    lines.append(f"  files total {manifest.bytes} bytes; the largest rank read {max(r['bytes'] for r in per_rank)} "
+                 f"bytes of tensor data, {max(r['bytes'] for r in per_rank) / share:.2f}x an even 1/{ranks} share")
+    lines.append(f"  every tensor matched bit for bit on every rank; no empty rank, no hang. ({elapsed:.0f} s)")
+    return lines

@@ -2,119 +2,83 @@
 
 This proves the copying, not reshard's key mapping (which on-disk keys make which in-memory tensor): the bytes are
 compared with the source bytes that mapping names. The tests check the mapping against transformers' own load.
+Every file is read through its folder's store (`reshard.read.store`), so a folder in S3 is checked the same way.
 """
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
-from .errors import MeshError, ReshardError, UsageError, VerifyError
-from .manifest import (MANIFEST_NAME, coverage_problems, header_problems, member_problem, open_member, read_manifest,
-                       tied_from_record)
+from .errors import ReshardError, UsageError, VerifyError
+from .manifest import MANIFEST_NAME, coverage_problems, header_problems, read_manifest, tied_from_record
 from .plan.dtypes import DTYPE_BITS
-from .read.checkpoint import read_header
-from .runs.engine import COPY_BUFFER_BYTES
+from .read.checkpoint import INDEX_NAME, header_of, read_config
+from .read.source import Kind, locate, open_source
+from .read.store import READ_BLOCK
+from .results import VerifyResult
 from .runs.byte_runs import chunk_runs
 
-
-def verify(folder: str | os.PathLike, *, against: str | os.PathLike | None = None, revision: str | None = None,
-           checksums: bool = True, progress: bool | None = None) -> dict:
-    """Check a `reshard write` folder; with `against`, compare every byte with the source checkpoint.
-
-    Checks: every manifest file exists with its size and CRC-32; each coordinate's files hold every tensor once (a
-    chunk, an explicit empty marker, or a whole copy of a replicated tensor); each header holds exactly the chunks
-    the manifest derives for it (shapes, offsets in `DCP_SHARDING_INFO`, empty markers counted); every sharded
-    tensor's non-empty chunks tile it exactly once. With `against`: each chunk's bytes, every copy of a replicated
-    tensor included, equal the source's.
-
-    What this proves is the copying: that the bytes sit where the manifest says and equal the source bytes reshard's
-    key mapping names. It does not prove that mapping right (which on-disk keys make which in-memory tensor); the
-    tests check that against transformers' own load.
-
-    Args:
-        folder: the written folder.
-        against: the source checkpoint (folder, file or Hub repo id).
-        checksums: recompute every file's CRC-32 (reads all bytes).
-        progress: show a byte progress bar (None: only on a terminal; False: never).
-
-    Returns:
-        The summary of `check_folder`, whose `problems` are empty.
-
-    Raises:
-        ManifestError: `reshard.json` is unsound (a `VerifyError` too), naming the key and the value.
-        VerifyError: listing every problem found, one per line.
-    """
-    from .write.merge import is_merged_folder
-
-    if not is_merged_folder(folder):
-        read_manifest(folder)  # an unsound manifest raises its own ManifestError (a VerifyError) before any read
-    summary = check_folder(folder, against=against, revision=revision, checksums=checksums, progress=progress)
-    if summary["problems"]:
-        raise VerifyError(summary["problems"])
-    return summary
+COMPARE_BLOCK = 1 << 20  # bytes compared at a time: one buffer per side
 
 
-def check_folder(folder: str | os.PathLike, *, against: str | os.PathLike | None = None,
-                 revision: str | None = None, checksums: bool = True, progress: bool | None = None) -> dict:
-    """`verify`, returning the problems instead of raising them (what `reshard verify --json` prints).
-
-    Returns:
-        `ok`, `folder`, `against`, `files`, `tensors`, `empty_markers`, `bytes_compared`, `dequantized_tensors`
-        (the tensors `against` gave as quantized, recomputed and compared bit for bit) and `problems` (one line
-        each; empty when `ok`).
+def check_folder(folder, *, against=None, revision: str | None = None, checksums: bool = True,
+                 progress: bool | None = None) -> VerifyResult:
+    """`reshard verify`: every check, the problems in the result instead of raised (`reshard.api.verify` raises).
 
     Raises:
         ReshardError: the source given as `against` cannot be read.
     """
-    from .write.merge import is_merged_folder
-
-    if is_merged_folder(folder):  # a `reshard merge` output (a plain HF checkpoint)
-        return check_merged(folder, against=against, revision=revision, progress=progress)
-    folder = Path(folder)
-    summary = {"ok": False, "folder": str(folder), "against": None if against is None else str(against),
-               "files": 0, "tensors": 0, "empty_markers": 0, "bytes_compared": 0, "dequantized_tensors": [],
-               "problems": []}
+    location = locate(folder, outside_links=True)
+    if location.kind is Kind.CHECKPOINT and _holds_weights(location.store):
+        return check_merged(location, against=against, revision=revision, progress=progress)
+    empty = VerifyResult(False, str(folder), None if against is None else str(against), 0, 0, 0, 0)
     try:
-        manifest = read_manifest(folder)
-        manifest.mesh  # an impossible mesh in the manifest is a problem of the folder
+        manifest = read_manifest(location.store)
     except VerifyError as e:
-        return {**summary, "problems": e.problems}
-    except MeshError as e:
-        return {**summary, "problems": [f"{folder / MANIFEST_NAME}: {e}"]}
-    data = manifest.data
+        return _with(empty, problems=tuple(e.problems))
     problems: list[str] = []
     corrupt: list[str] = []  # CRC mismatches: the structure is still sound, so --against still compares bytes
     dequantized: list[str] = []  # tensors --against recomputed from a quantized source
-    tensors = data["tensors"]
     from tqdm.auto import tqdm
 
-    total = sum(entry.bytes for entry in manifest.files) if checksums else 0
+    total = manifest.bytes if checksums else 0
     if against is not None:
-        total += sum(math.prod(c.shape) * DTYPE_BITS.get(tensors[c.name]["dtype"], 0) // 8
-                     for entry in manifest.files for c in manifest.chunks(entry))
+        total += sum(math.prod(c.shape) * DTYPE_BITS[c.dtype] // 8 for e in manifest.files for c in manifest.chunks(e))
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
                disable=None if progress is None else not progress)
     try:
-        compared, markers = _check(manifest, against, revision, checksums, bar, problems, corrupt, dequantized)
+        listed = _Listed(location.store, checksums, bar, problems, corrupt)
+        compared, markers = _check(manifest, listed, against, revision, dequantized)
     finally:
         bar.close()
     problems = corrupt + problems
-    return {**summary, "ok": not problems, "files": len(manifest.files), "tensors": len(tensors),
-            "empty_markers": markers, "bytes_compared": compared, "dequantized_tensors": dequantized,
-            "problems": problems}
+    return VerifyResult(not problems, str(folder), empty.against, len(manifest.files), len(manifest.tensors),
+                        markers, compared, tuple(dequantized), tuple(problems))
 
 
-def _crc32(path: Path, buffer: bytearray, bar) -> str:
+def _with(result: VerifyResult, **changes) -> VerifyResult:
+    from dataclasses import replace
+
+    return replace(result, **changes)
+
+
+def _holds_weights(store) -> bool:
+    """A plain HF checkpoint (what `merge` writes): an index or `*.safetensors` files, no reshard manifest."""
+    return any(n == INDEX_NAME or n.endswith(".safetensors") for n in store.names())
+
+
+def _crc32(store, name: str, size: int, bar) -> str:
     """The file's CRC-32 as the manifest records it (8 hex digits), advancing `bar` as the bytes pass."""
-    crc, view = 0, memoryview(buffer)
-    with open_member(path.parent, path.name) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-            bar.update(n)
+    crc, buffer = 0, bytearray(min(READ_BLOCK, max(size, 1)))
+    view = memoryview(buffer)
+    for start in range(0, size, len(buffer)):
+        n = min(len(buffer), size - start)
+        store.readinto(name, start, view[:n])
+        crc = zlib.crc32(view[:n], crc)
+        bar.update(n)
     return f"{crc:08x}"
 
 
@@ -126,9 +90,8 @@ class _Listed:
     compares bytes.
     """
 
-    folder: Path
+    store: object
     checksums: bool
-    buffer: bytearray  # one read buffer for every CRC
     bar: object
     problems: list[str]
     corrupt: list[str]
@@ -137,38 +100,58 @@ class _Listed:
         """The header of listed file `name`: present (else missing, with `holds` saying what it holds), a regular
         file, of `size` bytes and CRC-32 `crc32` (when checksums are on), and a header that parses. None after a
         problem, which is recorded."""
-        path = self.folder / name
-        if not path.exists():
+        try:
+            found = self.store.size(name)  # a FIFO or a device: refused before a byte is read
+        except FileNotFoundError:
             self.problems.append(f"{name}: missing ({holds})")
             return None
-        if problem := member_problem(self.folder, name):  # a FIFO or a device: refused before a byte is read
-            self.problems.append(problem)
+        except ReshardError as e:
+            self.problems.append(str(e))
             return None
-        if path.stat().st_size != size:
-            self.problems.append(f"{name}: {path.stat().st_size} bytes, manifest says {size}")
+        if found != size:
+            self.problems.append(f"{name}: {found} bytes, manifest says {size}")
             return None
-        if self.checksums and _crc32(path, self.buffer, self.bar) != crc32:
-            self.corrupt.append(f"{name}: CRC-32 differs from the manifest (the file is corrupt)")
         try:
-            return read_header(path)
+            if self.checksums and _crc32(self.store, name, size, self.bar) != crc32:
+                self.corrupt.append(f"{name}: CRC-32 differs from the manifest (the file is corrupt)")
+            return header_of(self.store, name)
         except ReshardError as e:
             self.problems.append(str(e))
             return None
 
+    def metadata(self, copied) -> None:
+        """Every copied file there and regular, and `config.json` a JSON object: a folder that cannot load fails."""
+        for name in copied:
+            try:
+                self.store.size(name)
+            except FileNotFoundError:
+                self.problems.append(f"{name}: missing (the manifest lists it among the copied files); copy it back "
+                                     "from the source")
+            except ReshardError as e:
+                self.problems.append(str(e))
+        if "config.json" not in copied and not self.store.exists("config.json"):
+            self.problems.append("config.json: missing; the folder cannot be loaded without it. Copy it back from "
+                                 "the source")
+            return
+        try:
+            if not read_config(self.store):
+                self.problems.append("config.json: empty; the folder cannot be loaded. Copy it back from the source")
+        except (ReshardError, OSError) as e:
+            self.problems.append(f"config.json: {e}")
 
-def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequantized) -> tuple[int, int]:
-    """Every check of `verify`, appending to `problems` and `corrupt`; returns (bytes compared, empty markers).
+
+def _check(manifest, listed: _Listed, against, revision, dequantized) -> tuple[int, int]:
+    """Every check of `verify`, appending to the listed problems; returns (bytes compared, empty markers).
 
     The manifest says which chunks each file holds (a run of `order`, each chunk's box following from the tensor's
     placement and the file's coordinate): each header must hold exactly those, with the offsets in
     `DCP_SHARDING_INFO`; `coverage_problems` shows they put every element somewhere exactly once.
     """
-    folder, data = manifest.path, manifest.data
-    listed = _Listed(folder, checksums, bytearray(COPY_BUFFER_BYTES), bar, problems, corrupt)
-    chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in data["tensors"]}
-    headers = {}
-    markers = 0
-    problems += coverage_problems(data)
+    problems = listed.problems
+    chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in manifest.tensors}
+    headers, markers = {}, 0
+    problems += coverage_problems(manifest)
+    listed.metadata(manifest.copied)
     for entry in manifest.files:
         header = listed.header(entry.name, entry.bytes, entry.crc32,
                                f"rank(s) {list(manifest.coords[entry.coord].ranks)} read it")
@@ -185,39 +168,38 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequa
                 markers += 1
             else:
                 chunks[chunk.name].append((entry.coord, tuple(zip(chunk.offsets, chunk.shape)), entry.name))
-    _check_extras(listed, data, headers, chunks)
+    _check_extras(listed, manifest, headers, chunks)
     compared = 0
     if against is not None and not problems:
-        compared = _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized)
+        compared = _compare_with_source(listed.store, headers, chunks, against, revision, problems, listed.bar,
+                                        dequantized)
     return compared, markers
 
 
-def _check_extras(listed: _Listed, data: dict, headers: dict, chunks: dict) -> None:
+def _check_extras(listed: _Listed, manifest, headers: dict, chunks: dict) -> None:
     """The manifest's extras files (tensors the model does not load, whole under their on-disk keys): each checked
     as every listed file is, holding exactly its keys. Each tensor joins `chunks` whole (coordinate -1: no rank reads
     it), so `--against` compares its bytes like every chunk's."""
-    for entry in data.get("extras") or ():
-        name, keys = entry["name"], entry["keys"]
-        header = listed.header(name, entry["bytes"], entry["crc32"],
-                               f"it holds {len(keys)} tensor(s) the model does not load, e.g. {keys[0]}")
+    for entry in manifest.extras:
+        header = listed.header(entry.name, entry.bytes, entry.crc32,
+                               f"it holds {len(entry.keys)} tensor(s) the model does not load, e.g. {entry.keys[0]}")
         if header is None:
             continue
         found = {t.name: t for t in header.tensors}
-        if sorted(found) != sorted(keys):
-            listed.problems.append(f"{name}: header holds {sorted(set(found) ^ set(keys))[:3]} differently from the "
-                                   "manifest")
+        if sorted(found) != sorted(entry.keys):
+            listed.problems.append(f"{entry.name}: header holds {sorted(set(found) ^ set(entry.keys))[:3]} "
+                                   "differently from the manifest")
             continue
-        headers[name] = header
-        for key in keys:
-            chunks[key] = [(-1, tuple((0, n) for n in found[key].shape), name)]
+        headers[entry.name] = header
+        for key in entry.keys:
+            chunks[key] = [(-1, tuple((0, n) for n in found[key].shape), entry.name)]
 
 
-def _compare_with_source(folder, data, headers, chunks, against, revision, problems, bar, dequantized) -> int:
+def _compare_with_source(out, headers, chunks, against, revision, problems, bar, dequantized) -> int:
     """Compare each chunk's bytes with the bytes the source pieces give for that region; a dequantized chunk with
     the values `write --dequantize` computes from the source (its names are added to `dequantized`)."""
     index, layout, dequantizer = _source_to_compare(against, revision)
     compared = 0
-    fds: dict[str, int] = {}
     try:
         for name, found in chunks.items():
             target = layout.get(name)
@@ -227,30 +209,25 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
             computed = dequantizer is not None and dequantizer.computes(target)
             if computed:
                 dequantized.append(name)
-            for coord, box, file in found:
+            for _, box, file in found:
                 entry = next(t for t in headers[file].tensors if t.name == name)
                 if entry.dtype != target.dtype:
                     problems.append(f"{file}: {name} is {entry.dtype}, the source is {target.dtype}")
                     continue
-                if str(folder / file) not in fds:  # (setdefault would open, and leak, a descriptor per call)
-                    fds[str(folder / file)] = os.open(folder / file, os.O_RDONLY)
-                out_fd = fds[str(folder / file)]
                 if computed:  # recomputed from the source bytes, compared bit for bit
-                    done, same = _same_slabs(dequantizer.chunk_slabs(target, box), out_fd, entry.data_start, bar)
-                    compared += done
-                    if not same:
-                        problems.append(f"{file}: {name} differs from its dequantized source at chunk {box}")
-                    continue
-                for run in chunk_runs(target, box, index.tensors):
-                    if run.file not in fds:
-                        fds[run.file] = os.open(index.path_of(run.file), os.O_RDONLY)
-                    done, same = _same_run(fds[run.file], out_fd, run, entry.data_start, bar)
-                    compared += done
-                    if not same:
-                        problems.append(f"{file}: {name} differs from the source at chunk {box}")
+                    same, done = _same_slabs(dequantizer.chunk_slabs(target, box), out, file, entry.data_start, bar)
+                else:
+                    same, done = True, 0
+                    for run in chunk_runs(target, box, index.tensors):
+                        ok, n = _same_run(index.store, run, out, file, entry.data_start, bar)
+                        same, done = same and ok, done + n
+                        if not ok:
+                            break
+                compared += done
+                if not same:
+                    problems.append(f"{file}: {name} differs from {'its dequantized' if computed else 'the'} source "
+                                    f"at chunk {box}")
     finally:
-        for fd in fds.values():
-            os.close(fd)
         if dequantizer is not None:
             dequantizer.close()
     return compared
@@ -259,102 +236,94 @@ def _compare_with_source(folder, data, headers, chunks, against, revision, probl
 def _source_to_compare(against, revision):
     """(the source's index, its tensors by name with the extras under their keys, the `Dequantizer` of a quantized
     source or None), checked decodable before any byte is compared."""
-    from .api import read_source
-    from .read.experts import find_experts
-
-    index = read_source(against, revision=revision, need_data=True)
-    source_layout = find_experts(index)
+    source = open_source(against, revision=revision)
+    source_layout = source.model_layout()
     layout = {**source_layout.by_name(), **{t.name: t for t in source_layout.extras}}
-    if index.quantization is None:
-        return index, layout, None
+    if source.quantization is None:
+        return source.index, layout, None
     from .runs.dequant import Dequantizer, check_decodable
 
-    check_decodable(index)
-    return index, layout, Dequantizer(index)
+    check_decodable(source.index)
+    return source.index, layout, Dequantizer(source.index)
 
 
-def _same_slabs(slabs, out_fd: int, start: int, bar) -> tuple[int, bool]:
-    """Compare computed `slabs` with the written bytes from `start` on: (bytes that matched, whether all did)."""
+def _same_slabs(slabs, out, file: str, start: int, bar) -> tuple[bool, int]:
+    """Compare computed `slabs` with the written bytes from `start` on: (whether all matched, bytes that did)."""
     position = start
     for data in slabs:
-        if os.pread(out_fd, len(data), position) != data:
-            return position - start, False
+        if out.read(file, position, len(data)) != bytes(data):
+            return False, position - start
         position += len(data)
         bar.update(len(data))
-    return position - start, True
+    return True, position - start
 
 
-def _same_run(src_fd: int, out_fd: int, run, start: int, bar) -> tuple[int, bool]:
-    """Compare one byte run of the source with the written chunk that begins at `start`, half a copy buffer at a
-    time: (bytes that matched, whether all did)."""
-    done, step = 0, COPY_BUFFER_BYTES // 2
+def _same_run(source, run, out, file: str, start: int, bar) -> tuple[bool, int]:
+    """Compare one byte run of the source with the written chunk that begins at `start`, a block at a time:
+    (whether all matched, bytes that did)."""
+    done = 0
     while done < run.nbytes:
-        n = min(run.nbytes - done, step)
-        if os.pread(src_fd, n, run.src + done) != os.pread(out_fd, n, start + run.dst + done):
-            return done, False
+        n = min(run.nbytes - done, COMPARE_BLOCK)
+        if source.read(run.file, run.src + done, n) != out.read(file, start + run.dst + done, n):
+            return False, done
         done += n
         bar.update(n)
-    return done, True
+    return True, done
 
 
 # ---- a merged (plain Hugging Face) folder: `reshard merge` output -------------------------------------------------
 
-def check_merged(folder: str | os.PathLike, *, against: str | os.PathLike | None = None,
-                 revision: str | None = None, progress: bool | None = None) -> dict:
+def check_merged(location, *, against=None, revision: str | None = None, progress: bool | None = None) -> VerifyResult:
     """`check_folder` for a plain HF checkpoint (what `reshard merge` writes): the index agrees with the headers and
     its `metadata.total_size`; with `against` (the original HF checkpoint, a reshard folder or a saved distributed
     checkpoint), the key set is the source's on-disk one (`--layout original`) or its in-memory names (`fused`), and
-    every in-memory tensor, read through each side's own key mapping, equals the source's byte for byte.
-
-    Returns:
-        The same summary fields as `check_folder` (`empty_markers` is 0), plus `kind: "merged"`.
-    """
-    from .read.checkpoint import INDEX_NAME, read_checkpoint
-
-    folder = Path(folder)
-    summary = {"ok": False, "folder": str(folder), "against": None if against is None else str(against),
-               "kind": "merged", "files": 0, "tensors": 0, "empty_markers": 0, "bytes_compared": 0,
-               "dequantized_tensors": [], "problems": []}
-    problems: list[str] = []
+    every in-memory tensor, read through each side's own key mapping, equals the source's byte for byte."""
+    result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0, kind="merged")
     try:
-        dest = read_checkpoint(folder)
+        dest = open_source(location.spec).index
     except ReshardError as e:
-        return {**summary, "problems": [str(e)]}
-    try:
-        import json
-
-        total = json.loads((folder / INDEX_NAME).read_text())["metadata"]["total_size"]
-        if total != dest.total_bytes:
-            problems.append(f"{INDEX_NAME}: metadata.total_size is {total}, the tensors hold {dest.total_bytes} bytes")
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        problems.append(f"{INDEX_NAME}: no metadata.total_size ({type(e).__name__}: {e})")
+        return _with(result, problems=(str(e),))
+    problems: list[str] = []
+    metadata = _merge_metadata(dest.store)
+    if isinstance(metadata, str):
+        problems.append(metadata)
+    elif metadata is not None and metadata.get("total_size") != dest.total_bytes:
+        problems.append(f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')}, the tensors hold "
+                        f"{dest.total_bytes} bytes")
     compared = 0
     if against is not None and not problems:
-        compared = _compare_merged(dest, against, revision, progress, problems)
-    return {**summary, "ok": not problems, "files": len(dest.files), "tensors": len(dest.tensors),
-            "bytes_compared": compared, "problems": problems}
+        extras_from = metadata.get("extras_from") if isinstance(metadata, dict) else None
+        compared = _compare_merged(dest, against, revision, extras_from, progress, problems)
+    return _with(result, ok=not problems, files=len(dest.files), tensors=len(dest.tensors),
+                 bytes_compared=compared, problems=tuple(problems))
+
+
+def _merge_metadata(store) -> dict | str | None:
+    """The `metadata` of a merged folder's index (None without an index; a problem as a string)."""
+    if INDEX_NAME not in store.names():
+        return None
+    try:
+        metadata = json.loads(store.read_all(INDEX_NAME, 64 << 20, "safetensors index"))["metadata"]
+        if not isinstance(metadata, dict):
+            raise TypeError("metadata is not an object")
+        return metadata
+    except (OSError, ValueError, KeyError, TypeError, ReshardError) as e:
+        return f"{INDEX_NAME}: no metadata.total_size ({type(e).__name__}: {e})"
 
 
 def _source_view(against, revision):
     """(index, layout, the on-disk keys of the source layout, the in-memory names a fused copy holds)."""
-    from .read.checkpoint import read_checkpoint
-    from .read.dcp_source import dcp_kind, read_dcp_source
-    from .read.experts import find_experts
-
-    if dcp_kind(against):
-        index, layout = read_dcp_source(against)
+    source = open_source(against, revision=revision)
+    index, layout = source.index, source.model_layout()
+    if source.kind is not Kind.CHECKPOINT:
         original = None if index.original is None else {p[0] for pieces in index.original.values() for p in pieces}
         tied = set(index.tied)
     else:
-        index = read_checkpoint(against, revision=revision, need_data=True)
-        if index.config.get("quantization_config"):
+        if source.quantization is not None:
             raise UsageError(f"{against} is a quantized checkpoint: a merged folder holds the bf16 values computed "
-                              "from it, not its bytes. Verify the merged folder against the reshard folder it was "
-                              "merged from, and that folder with `reshard verify OUT --against SRC`, which "
-                              "recomputes every dequantized chunk.")
-        layout = find_experts(index)
+                             "from it, not its bytes. Verify the merged folder against the reshard folder it was "
+                             "merged from, and that folder with `reshard verify OUT --against SRC`, which "
+                             "recomputes every dequantized chunk.")
         original = {p.source for t in layout.tensors for p in t.pieces}
         tied = set(tied_from_record({t.name: [(p.source,) for p in t.pieces] for t in layout.tensors}))
     extras = {t.name for t in layout.extras}  # written back under their own keys in either layout
@@ -362,26 +331,13 @@ def _source_view(against, revision):
             ({t.name for t in layout.tensors} - tied) | extras)
 
 
-def _merged_extras_from(dest) -> str | None:
-    """The `--extras-from` source a merged folder's index records (`metadata.extras_from`), or None."""
-    import json
-
-    from .read.checkpoint import INDEX_NAME
-
-    try:
-        return json.loads((dest.root / INDEX_NAME).read_text())["metadata"].get("extras_from")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def _compare_merged(dest, against, revision, progress, problems) -> int:
+def _compare_merged(dest, against, revision, extras_from, progress, problems) -> int:
     from tqdm.auto import tqdm
 
     from .read.experts import find_experts
 
     src_index, src_layout, original_keys, fused_keys = _source_view(against, revision)
     sources = [(t, src_index) for t in (*src_layout.tensors, *src_layout.extras)]
-    extras_from = _merged_extras_from(dest)
     if extras_from is not None and not src_layout.extras:  # a trained folder merged with `--extras-from`
         extras_index, extras_layout, _, _ = _source_view(extras_from, None)
         names = {t.name for t in extras_layout.extras}
@@ -403,13 +359,6 @@ def _compare_merged(dest, against, revision, progress, problems) -> int:
     total = sum(t.numel * DTYPE_BITS[t.dtype] // 8 for t, _ in sources)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
                disable=None if progress is None else not progress)
-    fds: dict[tuple[str, str], int] = {}
-
-    def fd(index, file) -> int:
-        if (str(index.root), file) not in fds:
-            fds[(str(index.root), file)] = os.open(index.path_of(file), os.O_RDONLY)
-        return fds[(str(index.root), file)]
-
     compared = 0
     try:
         for src, src_index in sources:
@@ -419,31 +368,26 @@ def _compare_merged(dest, against, revision, progress, problems) -> int:
                                 f"the source has {src.dtype} {list(src.shape)}")
                 continue
             box = tuple((0, n) for n in src.shape)
-            a = chunk_runs(src, box, src_index.tensors)
-            b = chunk_runs(mine, box, dest.tensors)
-            n = _compare_runs(a, b, lambda f: fd(src_index, f), lambda f: fd(dest, f), bar)
+            n = _compare_runs(chunk_runs(src, box, src_index.tensors), chunk_runs(mine, box, dest.tensors),
+                              src_index.store, dest.store, bar)
             if n is None:
                 problems.append(f"{src.name}: differs from the source")
             else:
                 compared += n
     finally:
         bar.close()
-        for handle in fds.values():
-            os.close(handle)
     return compared
 
 
-def _compare_runs(a, b, open_a, open_b, bar) -> int | None:
+def _compare_runs(a, b, store_a, store_b, bar) -> int | None:
     """Compare two run lists tiling the same bytes (each sorted by `dst`) block by block; bytes compared, or None at
     the first difference."""
     i = j = position = 0
-    step = COPY_BUFFER_BYTES
     while i < len(a) and j < len(b):
         ra, rb = a[i], b[j]
-        end = min(ra.dst + ra.nbytes, rb.dst + rb.nbytes, position + step)
+        end = min(ra.dst + ra.nbytes, rb.dst + rb.nbytes, position + COMPARE_BLOCK)
         n = end - position
-        if os.pread(open_a(ra.file), n, ra.src + position - ra.dst) != \
-                os.pread(open_b(rb.file), n, rb.src + position - rb.dst):
+        if store_a.read(ra.file, ra.src + position - ra.dst, n) != store_b.read(rb.file, rb.src + position - rb.dst, n):
             return None
         bar.update(n)
         position = end

@@ -408,7 +408,7 @@ def add_unloaded(model_type: str, folder: Path) -> Path:
 
 
 def saved_keys(folder: Path) -> set[str]:
-    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.source import read_checkpoint
 
     return set(read_checkpoint(folder).tensors)
 
@@ -510,7 +510,7 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
     from reshard.load.loader import from_pretrained
     from reshard.plan.mesh import MeshSpec
     from reshard.plan.placement import box_is_empty, make_plan
-    from reshard.verification import verify
+    from reshard.api import verify
 
     def clean(message: str) -> str:  # no temporary paths in reasons: the support table must be reproducible
         return str(message).replace(str(work), "<out>").replace(str(src), "<src>")
@@ -520,7 +520,7 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
     start = time.monotonic()
     try:
         try:
-            plan = plan_checkpoint(src, MeshSpec(fsdp=2))
+            plan = plan_checkpoint(src, MeshSpec(fsdp=2)).plan
         except ReshardError as e:
             result.status, result.reason = "unsupported", clean(e)
             return result
@@ -535,7 +535,7 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
             return result
         result.steps.append("plan")
         # exactly the keys the model class ignores on load are kept as extras (none where it ignores none)
-        from reshard.read.checkpoint import read_checkpoint
+        from reshard.read.source import read_checkpoint
 
         extras = {t.name for t in plan.layout.extras}
         assert extras == set(unloaded_keys(model_type)) & set(read_checkpoint(src).tensors), \
@@ -626,8 +626,8 @@ def check_round_trip(src: Path, folder: Path, work: Path, second_mesh, reference
     import torch
 
     from reshard.api import write_checkpoint
-    from reshard.write.merge import merge_checkpoint
-    from reshard.verification import verify
+    from reshard.api import merge_checkpoint
+    from reshard.api import verify
 
     source = _saved_tensors(src)
     merge_checkpoint(folder, work / "merged", progress=False, max_shard_size=100_000)

@@ -135,3 +135,12 @@ def hang_guard(seconds: int):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def file_chunks(document: dict, entry: dict) -> list:
+    """The chunks file `entry` of a manifest document holds (tests read and tamper with `reshard.json` as JSON; the
+    chunks come from the typed manifest, as every reader derives them)."""
+    from reshard.manifest import Manifest
+
+    manifest = Manifest.from_document(document, "<test>")
+    return manifest.chunks(manifest.file_entry(entry["name"]))

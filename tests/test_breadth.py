@@ -93,7 +93,7 @@ def test_model_type_plans_writes_verifies_and_loads(matrix, model_type, layout):
 def test_fast_layout_equals_full_layout_on_the_saved_checkpoint(matrix, model_type, layout):
     """On what `save_pretrained` wrote, renaming one key per template gives the layout renaming every key gives
     (with more layers than layer kinds: tests/test_layout_fast.py)."""
-    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.source import read_checkpoint
     from reshard.errors import ReshardError
     from reshard.read.experts import build_meta_model, layout_from_model
 
@@ -164,7 +164,7 @@ def test_dtype_and_tied_variants(tmp_path, model_type, dtype, tied, layout):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.source import read_checkpoint
 
     src = breadth.generate(model_type, tmp_path / "f32", fused=False, tie_word_embeddings=tied)
     if dtype != "float32":  # from_pretrained(dtype=...) keeps `_keep_in_fp32_modules_strict` in fp32, as real releases
@@ -201,7 +201,7 @@ def test_family_loads_exactly_on_every_rank(tmp_path, model_type, overrides, fsd
 
     src = breadth.generate(model_type, tmp_path / "src", fused=False, **overrides)
     mesh = MeshSpec(fsdp=fsdp, ep=ep)
-    plan = plan_checkpoint(src, mesh)
+    plan = plan_checkpoint(src, mesh).plan
     assert any(box_is_empty(box) for tp in plan.tensors if tp.tensor.role is Role.EXPERT
                for box in tp.boxes(mesh, stock=True))
     out = tmp_path / "out"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from reshard.read import cache
-from reshard.read.checkpoint import read_checkpoint
+from reshard.read.source import read_checkpoint
 from reshard.read.experts import build_meta_model, find_experts, layout_from_model
 
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reshard.read.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, parse_header, read_checkpoint, read_header
+from reshard.read.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, parse_header, read_header
+from reshard.read.source import read_checkpoint
 from reshard.errors import CheckpointError, ReshardError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -308,66 +309,27 @@ def test_any_json_header_parses_or_raises_checkpoint_error(header, size):
 
 # ---- metadata only: tensor data is never read ---------------------------------------------------------------------
 
-class _CountingFile:
-    def __init__(self, f, counts, key):
-        self._f, self._counts, self._key = f, counts, key
-
-    def _add(self, n):
-        self._counts[self._key] = self._counts.get(self._key, 0) + n
-
-    def read(self, *args):
-        data = self._f.read(*args)
-        self._add(len(data))
-        return data
-
-    def readinto(self, buffer):
-        n = self._f.readinto(buffer)
-        self._add(n or 0)
-        return n
-
-    def readline(self, *args):
-        data = self._f.readline(*args)
-        self._add(len(data))
-        return data
-
-    def readlines(self, *args):
-        raise AssertionError("readlines on a weight file")
-
-    def __iter__(self):
-        raise AssertionError("iterating a weight file")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-
 def test_read_checkpoint_reads_exactly_the_headers(tmp_path, monkeypatch):
-    import builtins
-    import io
+    """Every byte a local source serves passes `LocalStore.readinto`: counted there, it is the prefix and the JSON
+    header of each file, not one byte of data (the syscall test below checks the same from outside)."""
     import mmap
+
+    from reshard.read.store import LocalStore
 
     root = sharded_folder(tmp_path / "ckpt")
     expected = {name: read_header(root / name).header_bytes for name in (FILE_1, FILE_2)}
     counts: dict[str, int] = {}
-    real_open = io.open
+    real_readinto = LocalStore.readinto
 
-    def counting_open(file, mode="r", *args, **kwargs):
-        f = real_open(file, mode, *args, **kwargs)
-        name = os.fspath(file) if not isinstance(file, int) else ""
-        if str(name).endswith(".safetensors"):
-            return _CountingFile(f, counts, Path(name).name)
-        return f
+    def counting_readinto(self, name, start, view):
+        if name.endswith(".safetensors"):
+            counts[name] = counts.get(name, 0) + len(view)
+        return real_readinto(self, name, start, view)
 
     def no_mmap(*args, **kwargs):
         raise AssertionError("read_checkpoint mapped a file")
 
-    monkeypatch.setattr(builtins, "open", counting_open)
-    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(LocalStore, "readinto", counting_readinto)
     monkeypatch.setattr(mmap, "mmap", no_mmap)
     monkeypatch.setattr("safetensors.safe_open", no_mmap)
     read_checkpoint(root)
@@ -379,7 +341,7 @@ import json, mmap, sys
 def rchar():
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
-from reshard.read.checkpoint import read_checkpoint
+from reshard.read.source import read_checkpoint
 def refuse(*a, **k):
     raise AssertionError("mmap")
 mmap.mmap = refuse

@@ -188,12 +188,12 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_write_checkpoint_writes_the_bytes_the_cli_writes(tiny, tmp_path):
     src = tiny("qwen3_moe")
     run("write", src, tmp_path / "cli", "--fsdp", "4", "--ep", "2", "--max-shard-size", "40KB", "-q")
-    manifest = reshard.write_checkpoint(src, tmp_path / "api", reshard.MeshSpec(fsdp=4, ep=2),
-                                        max_shard_size=40_000, progress=False)
+    result = reshard.write_checkpoint(src, tmp_path / "api", reshard.MeshSpec(fsdp=4, ep=2),
+                                      max_shard_size=40_000, progress=False)
     cli_files, api_files = _files(tmp_path / "cli"), _files(tmp_path / "api")
     assert len([n for n in cli_files if n.endswith(".safetensors")]) > 4  # split: the option reached the writer
     assert sorted(cli_files) == sorted(api_files) and cli_files == api_files
-    assert manifest == json.loads(api_files["reshard.json"])
+    assert result.manifest.to_json() == api_files["reshard.json"]
 
 
 def test_write_checkpoint_refuses_workers_in_a_distributed_write(tiny, tmp_path):

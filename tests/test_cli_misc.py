@@ -21,9 +21,11 @@ from safetensors.torch import save_file
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import MeshError, VerifyError
-from reshard.manifest import dcp_metadata, file_chunks
+from reshard.manifest import dcp_metadata
 from reshard.plan.mesh import MeshSpec
-from reshard.verification import verify
+from reshard.api import verify
+
+from conftest import file_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 MESH = MeshSpec(fsdp=4)
@@ -98,15 +100,15 @@ SLOW_VERIFY = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import reshard.read.checkpoint as checkpoint
     started = Path({marker!r})
-    stock_read_header = checkpoint.read_header
+    stock_header_of = checkpoint.header_of
 
-    def slow_read_header(*args, **kwargs):  # verify reads each file's header after its CRC pass
+    def slow_header_of(*args, **kwargs):  # verify reads each file's header after its CRC pass
         if not started.exists():
             started.write_text("verifying")
             time.sleep(120)  # the test signals it long before
-        return stock_read_header(*args, **kwargs)
+        return stock_header_of(*args, **kwargs)
 
-    checkpoint.read_header = slow_read_header
+    checkpoint.header_of = slow_header_of
     sys.argv = ["reshard", "verify", {out!r}]  # stderr is a pipe: no progress bar
     runpy.run_module("reshard", run_name="__main__", alter_sys=True)  # what `python -m reshard` runs
 """)
@@ -198,12 +200,12 @@ def test_verify_shows_a_byte_bar_over_the_crc_pass_and_the_comparison(glm, bars,
 
     src, out = glm
     summary = check_folder(out, against=src, progress=True)
-    assert summary["ok"] and len(bars) == 1
+    assert summary.ok and len(bars) == 1
     bar = bars[0]
     file_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert bar.made_with["unit"] == "B" and bar.made_with["unit_scale"]
-    assert bar.n == bar.total == file_bytes + summary["bytes_compared"]
-    assert summary["bytes_compared"] > 0
+    assert bar.n == bar.total == file_bytes + summary.bytes_compared
+    assert summary.bytes_compared > 0
     assert "reshard verify" in capsys.readouterr().err
 
 
@@ -262,7 +264,7 @@ def test_verify_compares_every_replicated_copy(glm):
         assert sorted(e["coord"] for e in manifest["files"]
                       if name in {c.name for c in file_chunks(manifest, e)}) == [0, 1, 2, 3]
     summary = verify(out, against=src)
-    assert summary["bytes_compared"] == chunk_bytes(manifest)  # every copy compared with the source
+    assert summary.bytes_compared == chunk_bytes(manifest)  # every copy compared with the source
 
 
 def test_verify_compares_every_replicated_copy_with_the_source(glm):

@@ -26,12 +26,13 @@ from safetensors.torch import load_file
 
 import reshard.write.shards as write_module
 from reshard.api import write_checkpoint
-from reshard.cli import _parse_ranks, cli
+from reshard.cli import cli
+from reshard.plan.ranks import RankSpans
 from reshard.errors import CheckpointError, OutputError
 from reshard.plan.mesh import MeshSpec
-from reshard.read.checkpoint import read_checkpoint
+from reshard.read.source import read_checkpoint
 from reshard.verification import check_folder
-from reshard.write.merge import merge_checkpoint
+from reshard.api import merge_checkpoint
 
 from conftest import hang_guard
 
@@ -101,7 +102,7 @@ def test_an_intact_reshard_folder_still_merges_and_writes_exactly(folders, tmp_p
     result = invoke("write", good, tmp_path / "fsdp4", "--fsdp", "4", "-q", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["source_crc32_checked"] is True
-    assert check_folder(tmp_path / "fsdp4", against=src)["ok"]
+    assert check_folder(tmp_path / "fsdp4", against=src).ok
 
 
 def torch_equal(a, b) -> bool:
@@ -185,7 +186,7 @@ def test_a_header_nested_200000_deep_is_a_checkpoint_error(tmp_path):
 
 def test_files_ranks_are_bounded_by_the_mesh_before_anything_is_expanded(folders):
     _, good, _, _ = folders
-    spans = _parse_ranks("0-99999999999")
+    spans = RankSpans.parse("0-99999999999")
     assert list(spans) == [(0, 99999999999)]  # kept as typed: nothing expanded
     # in a process with 4 GiB of address space: expanding the span first would fail there, not eat 20 GB
     code = textwrap.dedent(f"""
@@ -223,7 +224,7 @@ def test_a_refused_write_removes_the_parent_folders_it_made(folders, tmp_path, m
     small.mkdir()
     out = small / "x" / "y" / "out"
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(write_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
     with pytest.raises(OutputError, match="GiB free"):
         if which == "write":
             write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)
@@ -300,4 +301,4 @@ def test_sigterm_during_a_write_of_20000_files_exits_before_deleting_them(tiny, 
     assert not Path(marker.read_text()).exists()  # the live temporary name is free: renamed stale
     write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)  # the next write removes what was left
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
-    assert check_folder(out, against=src)["ok"]
+    assert check_folder(out, against=src).ok

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from reshard.read.store import HEADER_PROBE
+
 import hub_server
 from conftest import two_file_source
 
@@ -20,7 +22,7 @@ WEIGHTS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors
 NEVER = {"original/params.json": b"{}", "original/consolidated.00.pth": b"\0" * 20_000,
          "consolidated.safetensors": b"\0" * 20_000, "pytorch_model.bin": b"\0" * 20_000,
          ".gitattributes": b"*.safetensors filter=lfs\n"}
-PROBE = 100_001  # huggingface_hub reads a safetensors header with one `Range: bytes=0-100000` request
+PROBE = HEADER_PROBE  # a remote safetensors header is read with one `Range: bytes=0-65535` request (if it fits)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_plan_reads_the_headers_through_range_requests_only(hub, tmp_path):
         size = len(hub.repos[REPO][hub.refs[REPO]["main"]][name])
         assert size > PROBE  # else the probe would be the whole file and prove nothing
         gets = [r for r in hub.served(REPO, name) if r.method == "GET"]
-        assert gets and all(r.range == "bytes=0-100000" for r in gets), gets
+        assert gets and all(r.range == f"bytes=0-{PROBE - 1}" for r in gets), gets
         assert sum(r.sent for r in gets) == PROBE  # one probe per file: the header, never the tensor data past it
     assert hub.downloaded(REPO) == {*WEIGHTS, "config.json", "model.safetensors.index.json", "generation_config.json",
                                     "README.md"}
@@ -89,7 +91,7 @@ def test_write_downloads_only_what_it_needs_and_the_cache_works_offline(hub, tmp
     assert result.returncode == 0, result.stderr
     assert hub.downloaded(REPO) == {*WEIGHTS, "config.json", "model.safetensors.index.json", "generation_config.json",
                                     "README.md"}  # no original/, *.pth, *.bin, consolidated.*, .gitattributes
-    assert reshard.verify(tmp_path / "out", against=hub.local["main"])["ok"]
+    assert reshard.verify(tmp_path / "out", against=hub.local["main"]).ok
 
     # offline, fully cached: the same write, and not one request
     hub.log.clear()
@@ -134,5 +136,20 @@ def test_a_download_that_fails_halfway_leaves_nothing_and_the_next_run_succeeds(
     assert not [p for p in (home / "hub").rglob("*") if p.name.endswith(".incomplete")]
     result = cli(hub, home, "write", REPO, out, "--fsdp", 4, "-q")
     assert result.returncode == 0, result.stderr
-    assert reshard.verify(out, against=hub.local["main"])["ok"]
+    assert reshard.verify(out, against=hub.local["main"]).ok
     shutil.rmtree(out)
+
+
+def test_a_sub_byte_dtype_in_remote_headers_is_refused(hub, tmp_path):
+    """A header read in ranges (the weights are not cached) is validated like a local one: an F4 entry is refused
+    with its dtype named, no traceback."""
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F4", "shape": [2, 4], "data_offsets": [0, 4]}}).encode()
+    blob = struct.pack("<Q", len(header)) + header + b"\0" * (HEADER_PROBE + 4)
+    hub.add("org/f4", {"config.json": json.dumps({"model_type": "qwen3_moe"}).encode(), "model.safetensors": blob})
+    result = cli(hub, tmp_path, "plan", "org/f4", "--fsdp", 2)
+    assert result.returncode == 1 and "'w' has dtype F4 (4 bits per element)" in result.stderr, result.stderr
+    assert "sub-byte" in result.stderr and "Traceback" not in result.stderr
+    assert [r.range for r in hub.served("org/f4", "model.safetensors") if r.method == "GET"] == \
+        [f"bytes=0-{HEADER_PROBE - 1}"]  # the header only

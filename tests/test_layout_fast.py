@@ -249,7 +249,7 @@ def test_a_cache_miss_leaves_the_collector_as_it_found_it(tiny, monkeypatch):
     """With torch already imported (as here) nothing is frozen, and the collector ends as it was, on or off."""
     import gc
 
-    from reshard.read.checkpoint import read_checkpoint
+    from reshard.read.source import read_checkpoint
     from reshard.read.experts import find_experts
 
     monkeypatch.setenv("RESHARD_CACHE_DIR", "")
@@ -271,7 +271,7 @@ def test_the_first_import_is_frozen(tiny):
     import subprocess
     import sys
 
-    code = ("import gc, sys; from reshard.read.checkpoint import read_checkpoint; from reshard.read.experts import find_experts; "
+    code = ("import gc, sys; from reshard.read.source import read_checkpoint; from reshard.read.experts import find_experts; "
             "assert 'torch' not in sys.modules; find_experts(read_checkpoint(sys.argv[1])); "
             "print(gc.isenabled(), gc.get_freeze_count() > 100_000)")
     result = subprocess.run([sys.executable, "-c", code, str(tiny("glm4_moe"))], capture_output=True, text=True,

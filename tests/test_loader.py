@@ -106,7 +106,8 @@ def test_balanced_layout_gives_every_rank_the_same_expert_bytes(tiny, tmp_path):
     ratios = {}
     for mode in ("balanced", "stock"):
         out = tmp_path / mode
-        manifest = write_checkpoint(src, out, MeshSpec(fsdp=4, ep=2), mode=mode, progress=False)
+        write_checkpoint(src, out, MeshSpec(fsdp=4, ep=2), mode=mode, progress=False)
+        manifest = json.loads((out / "reshard.json").read_text())
         _, reports = load("reshard", out, src, tmp_path / mode, 4, 2)
         assert_loaded_exactly(reports, 2, readers=OWN_READER)
         per_rank = expert_bytes_per_rank(reports, manifest)
@@ -119,10 +120,16 @@ def test_each_rank_checks_its_own_files(tiny, tmp_path):
     """What a rank reports before loading (the multi-rank test below shows every rank stopping on it)."""
     from reshard.load.agreement import _check_own_files
     from reshard.manifest import read_manifest
+    from reshard.read.store import LocalStore
 
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
     manifest = read_manifest(out)
+    store = LocalStore(out)
+
+    def _check_own_files(manifest, rank, check=_check_own_files):
+        return check(manifest, store, rank)
+
     assert [_check_own_files(manifest, r) for r in range(4)] == [None] * 4
     (out / "shard-00002-model-00001-of-00001.safetensors").unlink()
     victim = out / "shard-00003-model-00001-of-00001.safetensors"

@@ -332,15 +332,15 @@ def test_transformers_under_the_patch_validates_the_manifest_too(written, tmp_pa
 def test_a_hostile_extras_section_is_refused(written, extras, said):
     out, _, _ = written
     with pytest.raises(ManifestError, match=re.escape(said)):
-        Manifest({**load_doc(out), "extras": extras}, out)
+        Manifest.from_document({**load_doc(out), "extras": extras}, out)
 
 
 def test_the_constructor_validates_and_tolerates_unknown_sections(written):
     out, _, _ = written
     doc = load_doc(out)
-    assert Manifest({**doc, "a_later_section": {"anything": [1]}}, out).mesh == MeshSpec(fsdp=FSDP, ep=EP)
+    assert Manifest.from_document({**doc, "a_later_section": {"anything": [1]}}, out).mesh == MeshSpec(fsdp=FSDP, ep=EP)
     with pytest.raises(ManifestError, match="mesh.fsdp is 0"):
-        Manifest({**doc, "mesh": {**doc["mesh"], "fsdp": 0}}, out)
+        Manifest.from_document({**doc, "mesh": {**doc["mesh"], "fsdp": 0}}, out)
 
 
 # ---- property-based: mutated manifests and headers end in a ReshardError or an exact load ---------------------------

@@ -23,7 +23,7 @@ from reshard.cli import cli
 from reshard.manifest import coverage_problem
 from reshard.read.dcp_source import read_dcp_source
 from reshard.errors import CheckpointError, OutputError
-from reshard.write.merge import merge_checkpoint
+from reshard.api import merge_checkpoint
 from reshard.plan.mesh import MeshSpec
 from reshard.verification import check_folder
 
@@ -85,8 +85,8 @@ def test_merge_gives_the_source_back_as_a_standard_checkpoint(written, tmp_path)
             assert handle.metadata() == {"format": "pt"}  # plain safetensors, no DCP metadata
     assert not (dest / "reshard.json").exists()
     assert (dest / "config.json").read_text() == (src / "config.json").read_text()
-    assert check_folder(dest, against=src)["ok"]  # round-trip proof, against the original checkpoint
-    assert check_folder(dest, against=folder)["ok"]  # and against the reshard folder
+    assert check_folder(dest, against=src).ok  # round-trip proof, against the original checkpoint
+    assert check_folder(dest, against=folder).ok  # and against the reshard folder
 
 
 def test_fused_layout_keeps_the_in_memory_names(written, tmp_path):
@@ -98,7 +98,7 @@ def test_fused_layout_keeps_the_in_memory_names(written, tmp_path):
     assert_equal_tensors(tensors_of(tmp_path / "fused"), reference)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fused").state_dict()
     assert_equal_tensors(loaded, reference)
-    assert check_folder(tmp_path / "fused", against=src)["ok"]
+    assert check_folder(tmp_path / "fused", against=src).ok
 
 
 def test_mesh_to_mesh_write_from_a_reshard_folder_and_a_saved_folder(written, tmp_path):
@@ -113,7 +113,7 @@ def test_mesh_to_mesh_write_from_a_reshard_folder_and_a_saved_folder(written, tm
         out = tmp_path / f"out{n}"
         result = CliRunner().invoke(cli, ["write", str(source), str(out), "--fsdp", "4", "--ep", "2", "-q"])
         assert result.exit_code == 0, result.output
-        assert check_folder(out, against=src)["ok"]
+        assert check_folder(out, against=src).ok
         assert_equal_tensors(reshard.from_pretrained(out).state_dict(), reference)
         merge_checkpoint(out, tmp_path / f"merged{n}", progress=False)  # the source layout travels along
         assert_equal_tensors(tensors_of(tmp_path / f"merged{n}"), tensors_of(src))
@@ -128,7 +128,7 @@ def test_verify_of_a_merged_folder_catches_a_changed_byte(written, tmp_path):
     raw[-3] ^= 0x40
     file.write_bytes(bytes(raw))
     summary = check_folder(dest, against=src)
-    assert not summary["ok"] and any("differs from the source" in p for p in summary["problems"])
+    assert not summary.ok and any("differs from the source" in p for p in summary.problems)
     result = CliRunner().invoke(cli, ["verify", str(dest), "--against", str(src), "-q"])
     assert result.exit_code == 1 and "differs from the source" in result.output
 
@@ -227,7 +227,7 @@ def test_overwrite_rules(written, tmp_path):
         merge_checkpoint(folder, src, progress=False, overwrite=True)  # a user's own HF checkpoint is never replaced
     with pytest.raises(OutputError, match="is or holds the source"):
         merge_checkpoint(folder, folder, progress=False, overwrite=True)
-    assert check_folder(folder, against=src)["ok"]
+    assert check_folder(folder, against=src).ok
 
 
 def test_an_interrupted_merge_leaves_nothing(written, tmp_path, monkeypatch):

@@ -65,7 +65,7 @@ def test_stock_load_matches_planned_boxes(tiny, tmp_path, model_type, experts, f
     mesh = MeshSpec(fsdp=fsdp, ep=ep)
     out = tmp_path / "out"
     write_checkpoint(src, out, mesh, mode="stock", progress=False)
-    plan = plan_checkpoint(src, mesh, mode="stock")
+    plan = plan_checkpoint(src, mesh, mode="stock").plan
     run_ranks("report_placements.py", fsdp, out, tmp_path / "reports", fsdp, ep, timeout=timeout)
     reports = rank_reports(tmp_path / "reports", fsdp)
     reference = _reference_state(src)

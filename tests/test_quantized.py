@@ -25,14 +25,15 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import reshard
-from reshard.api import plan_checkpoint, read_source, write_checkpoint
+from reshard.api import plan_checkpoint, write_checkpoint
+from reshard.read.source import open_source
 from reshard.cli import cli
 from reshard.runs.dequant import Dequantizer, slabs
 from reshard.errors import QuantizationError, UsageError
 from reshard.plan.mesh import MeshSpec
 from reshard.plan.report import plan_to_dict, render_plan
 from reshard.tiny import make_tiny_checkpoint, quantize_checkpoint
-from reshard.verification import verify
+from reshard.api import verify
 
 from conftest import rank_reports, run_ranks
 
@@ -123,7 +124,7 @@ def _transformers_load(src: Path, method: str):
 
 def test_plan_reports_the_quantization(models):
     src, _, method, block = models["deepseek_v3-fp8"]
-    plan = plan_checkpoint(src, EMPTY_MESH)
+    plan = plan_checkpoint(src, EMPTY_MESH).plan
     text = render_plan(plan, str(src))
     assert "quantized source: FP8 (F8_E4M3) with block scales, 16x16 per scale" in text
     assert "--dequantize bf16" in text
@@ -138,7 +139,7 @@ def test_plan_reports_the_quantization(models):
     names = {tp.tensor.name: tp.tensor for tp in plan.tensors}
     assert names["model.layers.1.mlp.experts.gate_up_proj"].dtype == "BF16"
     assert not any("scale_inv" in n for n in names)
-    gpt = plan_checkpoint(models["gpt_oss-mxfp4"][0], EMPTY_MESH)
+    gpt = plan_checkpoint(models["gpt_oss-mxfp4"][0], EMPTY_MESH).plan
     assert "MXFP4" in render_plan(gpt, "gpt")
     assert {tp.tensor.name: tp.tensor.shape for tp in gpt.tensors}["model.layers.0.mlp.experts.gate_up_proj"] == \
         (6, 64, 192)  # [E, in, out], transposed from the blocks' [E, out, in / 32, 16]
@@ -169,7 +170,7 @@ def test_a_merged_dequantized_folder_verifies_against_its_reshard_folder_not_the
     folder = written["qwen3_moe-fp8", "balanced", EMPTY_MESH.fsdp]
     merged = tmp_path / "merged"
     assert CliRunner().invoke(cli, ["merge", str(folder), str(merged), "-q"]).exit_code == 0
-    assert verify(merged, against=folder, progress=False)["ok"]
+    assert verify(merged, against=folder, progress=False).ok
     result = CliRunner().invoke(cli, ["verify", str(merged), "--against", str(src), "-q"])
     assert result.exit_code == 2, result.output
     assert "is a quantized checkpoint" in result.output and "--against" in result.output
@@ -259,7 +260,7 @@ def test_fp8_regions_with_partial_blocks_match_the_formula(tmp_path):
     save_file({"w": weight, "w_scale_inv": scale}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "quantization_config": {
         "quant_method": "fp8", "weight_block_size": [8, 8]}}))
-    index = read_source(tmp_path, need_data=True)
+    index = open_source(tmp_path).index
     expected = fp8_reference(weight, scale, (8, 8))
     dq = Dequantizer(index)
     try:
@@ -280,7 +281,7 @@ def test_mxfp4_regions_match_transformers(tmp_path):
     save_file({"p_blocks": blocks, "p_scales": scales}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "quantization_config": {
         "quant_method": "mxfp4"}}))
-    index = read_source(tmp_path, need_data=True)
+    index = open_source(tmp_path).index
     expected = convert_moe_packed_tensors(blocks, scales)  # [3, 128, 40]
     dq = Dequantizer(index)
     try:
@@ -386,4 +387,4 @@ def test_a_quantized_source_without_the_flag_is_a_usage_error(models, tmp_path):
         save_file({"a.weight_scale_inv": torch.ones(1, 1)}, index_dir / "model.safetensors")
         (index_dir / "config.json").write_text(json.dumps({"model_type": "x", "quantization_config": {
             "quant_method": "fp8", "weight_block_size": [128, 128]}}))
-        read_source(index_dir)
+        open_source(index_dir)

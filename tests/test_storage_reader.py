@@ -197,7 +197,7 @@ def test_shard_placement_fn_names_the_balanced_dims(folders):
             "tensors": {n: {"shape": [4, 4], "dtype": "F32", "role": "dense", "is_param": True,
                             "placement": {"kind": "dense", "shard_dim": d, "degree": 4, "ep": 1}}
                         for n, d in (("a", 0), ("b", 1))}}
-    manifest = reshard.Manifest(data, folders["balanced"])
+    manifest = reshard.Manifest.from_document(data, folders["balanced"])
     model = Model()
     named = reshard.shard_placement_fn(manifest, model)
     assert named(model.a) is None and named(model.b) == Shard(1)

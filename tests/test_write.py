@@ -27,12 +27,11 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from reshard.api import write_checkpoint
+from reshard.api import verify, write_checkpoint
 from reshard.cli import cli
-from reshard.manifest import file_chunks
+from reshard.manifest import read_manifest
 from reshard.plan.mesh import MeshSpec
 from reshard.plan.placement import chunk
-from reshard.verification import verify
 
 # transformers 5.23 `distributed/checkpoint.py`: the names that select the distributed-checkpoint loader
 HF_SHARD_RE = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
@@ -114,8 +113,10 @@ def read_shards(out: Path) -> dict[str, list[tuple[int, list[int], torch.Tensor,
     return chunks
 
 
-def check_independently(src: Path, out: Path, mesh: MeshSpec, mode: str, manifest: dict) -> None:
-    """Assemble every tensor from the shard files and compare it with the reference loader, bit-exactly."""
+def check_independently(src: Path, out: Path, mesh: MeshSpec, mode: str) -> None:
+    """Assemble every tensor from the shard files and compare it with the reference loader, bit-exactly; the
+    manifest's empty markers and roles are those found."""
+    manifest = read_manifest(out)
     state, buffers = reference(src)
     chunks = read_shards(out)
     disk_dtypes = source_dtypes(src)
@@ -157,11 +158,11 @@ def check_independently(src: Path, out: Path, mesh: MeshSpec, mode: str, manifes
             f"{name}: elements written {int(count.min())}..{int(count.max())} times, expected exactly once"
         assert torch.equal(full, ref), f"{name}: assembled shards differ from the reference"
     assert found_empty == expected_empty
-    listed = {(f["coord"], c.name) for f in manifest["files"] for c in file_chunks(manifest, f) if c.is_empty}
+    listed = {(f.coord, c.name) for f in manifest.files for c in manifest.chunks(f) if c.is_empty}
     assert listed == expected_empty
-    assert [c["empty_markers"] for c in manifest["coords"]] == \
+    assert [c.empty_markers for c in manifest.coords] == \
         [sum(1 for coord, _ in expected_empty if coord == c) for c in range(mesh.fsdp)]
-    roles = {name: t["role"] for name, t in manifest["tensors"].items()}
+    roles = {name: t.role for name, t in manifest.tensors.items()}
     assert {n for n, r in roles.items() if r == "expert"} == {n for n in state if is_routed_expert(n)}
 
 
@@ -175,13 +176,13 @@ def test_write_matches_reference(tiny, tmp_path, model_type, experts, fused, mes
     if model_type != "gpt_oss":  # gpt-oss has no per-expert format: both fixtures are fused on disk
         assert bool(per_expert_keys) == (not fused), "the fixture's on-disk layout is not the one under test"
     out = tmp_path / "out"
-    manifest = write_checkpoint(src, out, mesh, mode=mode, progress=False)
+    manifest = write_checkpoint(src, out, mesh, mode=mode, progress=False).manifest
     summary = verify(out, against=src)
     state, buffers = reference(src)
     copies = {name: mesh.fsdp if name in buffers or t.dim() == 0 else 1 for name, t in state.items()}
-    assert summary["bytes_compared"] == sum(t.numel() * t.element_size() * copies[n] for n, t in state.items())
-    assert summary["empty_markers"] == sum(c["empty_markers"] for c in manifest["coords"])
-    check_independently(src, out, mesh, mode, manifest)
+    assert summary.bytes_compared == sum(t.numel() * t.element_size() * copies[n] for n, t in state.items())
+    assert summary.empty_markers == sum(c.empty_markers for c in manifest.coords) == manifest.empty_markers
+    check_independently(src, out, mesh, mode)
 
 
 @pytest.mark.parametrize("mesh", [MeshSpec(fsdp=5), MeshSpec(fsdp=8, ep=2)], ids=["fsdp5", "fsdp8-ep2"])
@@ -189,9 +190,9 @@ def test_write_bfloat16_keeps_dtype(tiny, tmp_path, mesh):
     src = tiny("qwen3_moe", experts=2, dtype="bfloat16")
     assert source_dtypes(src) == {"BF16"}
     out = tmp_path / "out"
-    manifest = write_checkpoint(src, out, mesh, mode="balanced", progress=False)
+    write_checkpoint(src, out, mesh, mode="balanced", progress=False)
     verify(out, against=src)
-    check_independently(src, out, mesh, "balanced", manifest)
+    check_independently(src, out, mesh, "balanced")
 
 
 def test_expected_empty_ranks_are_what_the_design_says(tiny, tmp_path):
@@ -303,7 +304,9 @@ def test_golden_layout(tiny, tmp_path):
         header = raw_header(out / entry["name"])
         info = json.loads(header.pop("__metadata__")["DCP_SHARDING_INFO"])
         assert list(header) == manifest["order"]  # the file holds the run of `order` its entry names, in order
-        assert {c.name: {"shape": list(c.shape), "offsets": list(c.offsets)} for c in file_chunks(manifest, entry)} \
+        typed = read_manifest(out)
+        assert {c.name: {"shape": list(c.shape), "offsets": list(c.offsets)}
+                for c in typed.chunks(typed.file_entry(entry["name"]))} \
             == {n: {"shape": h["shape"], "offsets": info[n]["saved_offsets"]} for n, h in header.items()}
 
 
@@ -330,7 +333,7 @@ def test_max_shard_size_splits_coordinates(tiny, tmp_path):
             assert data <= 64 * 1024 or len(header) == 1, f"{name}: {data} bytes in {len(header)} tensors"
     assert sorted(f for c in manifest["coords"] for f in c["files"]) == names
     verify(out, against=src)
-    check_independently(src, out, mesh, "stock", manifest)
+    check_independently(src, out, mesh, "stock")
 
 
 # ---- reshard verify: the negative cases -------------------------------------------------------------------------
@@ -423,6 +426,6 @@ def test_coordinate_sizes_equal_the_chunk_lists(tiny, mesh):
     from reshard.api import plan_checkpoint
     from reshard.plan.files import coordinate_chunks, coordinate_sizes
 
-    plan = plan_checkpoint(tiny("glm4_moe"), mesh)
+    plan = plan_checkpoint(tiny("glm4_moe"), mesh).plan
     assert coordinate_sizes(plan) == [sum(spec.nbytes for spec, _, _ in coordinate_chunks(plan, c))
                                       for c in range(mesh.num_coords)]

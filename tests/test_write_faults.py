@@ -32,7 +32,7 @@ from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
 from reshard.plan.mesh import MeshSpec
-from reshard.verification import verify
+from reshard.api import verify
 
 from conftest import two_file_source
 
@@ -144,7 +144,7 @@ def test_disk_full_at_fsync(tiny, tmp_path, monkeypatch):
             raise enospc()
         real_fsync(fd)
 
-    monkeypatch.setattr(write_module.os, "fsync", fsync)
+    monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(OutputError) as info:
         write_checkpoint(src, out, MESH, progress=False)
     assert len(calls) == 2
@@ -211,7 +211,7 @@ def test_not_enough_free_space_is_refused_before_writing(tiny, tmp_path, monkeyp
     src = tiny("qwen3_moe", experts=2)
     out = tmp_path / "out"
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(write_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
     with pytest.raises(OutputError) as info:
         write_checkpoint(src, out, MESH, progress=False)
     assert "GiB free" in str(info.value) and "needs" in str(info.value)

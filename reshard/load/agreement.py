@@ -8,13 +8,14 @@ while the others wait in a collective (under srun or mpirun no agent would kill 
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ReshardError, VerifyError
 from ..launch import gather, raise_if_any
-from ..manifest import MANIFEST_NAME, Manifest, header_problems, member_problem, read_manifest
-from ..read.checkpoint import read_header
+from ..manifest import MANIFEST_NAME, Manifest, header_problems, read_manifest
+from ..read.checkpoint import header_of
+from ..read.source import locate
 
 _MESH_FIELDS = ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size")
 
@@ -24,21 +25,38 @@ def has_shard_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.glob("shard-*-model-*-of-*.safetensors"))
 
 
-def _check_own_files(manifest: Manifest, rank: int) -> str | None:
-    """Check the files this rank reads exist, are regular files and readable, with the size and a header that
-    holds what the manifest says (names, dtypes, shapes, offsets); a problem or None.
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank agreed to load: the manifest, the store its files are read from, the `DistributedConfig`."""
 
-    Their CRC-32 is checked while they are read (`local_read`), not here: that would read them twice.
+    manifest: Manifest
+    store: object
+    distributed_config: object
+
+
+def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
+    """Check the files this rank reads exist, are regular files and readable, with the size and a header that
+    holds what the manifest says (names, dtypes, shapes, offsets), and the copied metadata files (config.json, ...)
+    are regular files; a problem or None.
+
+    Their CRC-32 is checked while they are read (`reshard.load.storage`), not here: that would read them twice.
     """
-    for name in manifest.files_of_rank(rank):
-        entry, path = manifest.file_entry(name), manifest.path / name
-        if problem := member_problem(manifest.path, name):  # opens it: an unreadable one (permissions) fails here
-            return problem
-        size = path.stat().st_size
-        if size != entry.bytes:
-            return f"{name} has {size} bytes, the manifest says {entry.bytes}"
+    for name in manifest.copied:  # a FIFO or a device there would block transformers' own open, or feed it garbage
         try:
-            problems = header_problems(entry, manifest.chunks(entry), read_header(path))
+            store.size(name)
+        except FileNotFoundError:
+            return f"{name} is missing (the manifest lists it as copied); copy it back from the source"
+        except (ReshardError, OSError) as e:
+            return str(e)
+    for name in manifest.files_of_rank(rank):
+        entry = manifest.file_entry(name)
+        try:
+            size = store.size(name)
+            if size != entry.bytes:
+                return f"{name} has {size} bytes, the manifest says {entry.bytes}"
+            problems = header_problems(entry, manifest.chunks(entry), header_of(store, name))
+        except FileNotFoundError:
+            return f"{name} is missing"
         except (ReshardError, OSError) as e:
             return str(e)
         if problems:
@@ -53,45 +71,48 @@ def _config_mismatch(distributed_config, manifest: Manifest) -> str | None:
               "tp_size": mesh.tp, "pp_size": mesh.pp}
     if given == wanted:
         return None
-    return (f"distributed_config {given} does not match the mesh {manifest.path} was written for ({wanted}). "
+    return (f"distributed_config {given} does not match the mesh {manifest.where} was written for ({wanted}). "
             f"Pass {mesh.distributed_config_repr()} or omit distributed_config.")
 
 
-def _local_checks(folder: Path, distributed_config, rank: int, world: int, *, require_manifest: bool):
-    """This rank's view before loading: (has a manifest, the manifest or None, a problem or None). Never raises."""
-    if not require_manifest and not (folder / MANIFEST_NAME).is_file():
-        return False, None, None
+def _local_checks(folder, distributed_config, rank: int, world: int, *, require_manifest: bool):
+    """This rank's view before loading: (has a manifest, the manifest or None, its store, a problem or None).
+    Never raises."""
     try:
-        manifest = read_manifest(folder)
+        store = locate(folder, outside_links=True).store
+        if not require_manifest and not store.exists(MANIFEST_NAME):
+            return False, None, None, None
+        manifest = read_manifest(store)
     except VerifyError as e:
-        return False, None, "; ".join(e.problems)
+        return False, None, None, "; ".join(e.problems)
     except Exception as e:  # noqa: BLE001  raising here alone would leave the other ranks in the gather
-        return False, None, f"{MANIFEST_NAME}: {type(e).__name__}: {e}"
+        return False, None, None, f"{MANIFEST_NAME}: {type(e).__name__}: {e}"
     try:
         mesh = manifest.mesh
         if world != mesh.world_size:
-            return True, manifest, (f"{folder} was written for {mesh.world_size} ranks ({mesh.describe()}) but this "
-                                    f"job has {world}. Launch with --nproc-per-node/--nnodes giving "
-                                    f"{mesh.world_size} ranks, or write the checkpoint again for this mesh.")
+            return True, manifest, store, (f"{folder} was written for {mesh.world_size} ranks ({mesh.describe()}) but "
+                                           f"this job has {world}. Launch with --nproc-per-node/--nnodes giving "
+                                           f"{mesh.world_size} ranks, or write the checkpoint again for this mesh.")
         if distributed_config is not None and (mismatch := _config_mismatch(distributed_config, manifest)):
-            return True, manifest, mismatch
-        return True, manifest, _check_own_files(manifest, rank)
+            return True, manifest, store, mismatch
+        return True, manifest, store, _check_own_files(manifest, store, rank)
     except Exception as e:  # noqa: BLE001
-        return True, manifest, f"{type(e).__name__}: {e}"
+        return True, manifest, store, f"{type(e).__name__}: {e}"
 
 
-def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require_manifest: bool = True):
+def agree_to_load(folder, distributed_config=None, *, require_manifest: bool = True) -> Agreed | None:
     """Make every pre-load check on every rank and agree on the outcome in one collective.
 
     Args:
-        folder: the folder every rank is about to load.
+        folder: the folder every rank is about to load (a local path or an `s3://` URL).
         distributed_config: the `DistributedConfig` the caller passed, or None to take the manifest's.
         require_manifest: a folder without `reshard.json` is an error (`reshard.from_pretrained`); when False
             (transformers' own `from_pretrained` under the patch), a folder without it on every rank is not a
             reshard folder and None is returned.
 
     Returns:
-        (manifest, distributed_config) on every rank, or None when no rank has a manifest and none is required.
+        The agreed manifest, store and `DistributedConfig` on every rank, or None when no rank has a manifest and
+        none is required.
 
     Raises:
         LoadError: on every rank together, naming each failing rank and its cause.
@@ -99,17 +120,16 @@ def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require
     import torch.distributed as dist
     from transformers.distributed import DistributedConfig
 
-    folder = Path(folder)
     rank, world = dist.get_rank(), dist.get_world_size()
-    has, manifest, problem = _local_checks(folder, distributed_config, rank, world,
-                                           require_manifest=require_manifest)
+    has, manifest, store, problem = _local_checks(folder, distributed_config, rank, world,
+                                                  require_manifest=require_manifest)
     views = gather((has, problem))
     if not require_manifest and not any(h for h, _ in views):
         return None
     if not require_manifest and not all(h for h, _ in views):
-        views = [(h, p or (None if h else f"{folder / MANIFEST_NAME} is missing on this rank, present on others"))
+        views = [(h, p or (None if h else f"{folder}/{MANIFEST_NAME} is missing on this rank, present on others"))
                  for h, p in views]
     raise_if_any([p for _, p in views])
     if distributed_config is None:
         distributed_config = DistributedConfig(**manifest.mesh.distributed_config_kwargs())
-    return manifest, distributed_config
+    return Agreed(manifest, store, distributed_config)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import LoadError, ReshardError, VerifyError
+from ..errors import LoadError, ReshardError
 from ..launch import group_exists, group_owned, in_distributed_job
-from ..manifest import Manifest, coverage_problems, file_crc32, header_problems, member_problem, read_manifest
-from ..read.checkpoint import read_header, torch_dtype
+from ..manifest import MANIFEST_NAME, Manifest, coverage_problems, header_problems, read_manifest
+from ..read.checkpoint import header_of, torch_dtype
 from .agreement import agree_to_load
 from .patch import active_manifest, install, uninstall_unless_user
 
@@ -23,13 +23,12 @@ def _model_class(manifest: Manifest, model_class):
         return model_class
     import transformers
 
-    return getattr(transformers, manifest.data["source"].get("architecture") or "", None) or \
-        transformers.AutoModelForCausalLM
+    return getattr(transformers, manifest.source.architecture or "", None) or transformers.AutoModelForCausalLM
 
 
 def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_config=None,
                     check_checksums: bool = True, **kwargs):
-    """Load a folder written by `reshard write`.
+    """Load a folder written by `reshard write` (a local folder, a node's own copy, or an `s3://` URL).
 
     In a multi-rank job every rank reads only its own files, with the mesh from the manifest (or
     `distributed_config`, which must match it). The process group is the one you initialized, or, when there is none
@@ -57,26 +56,54 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
     Example:
         >>> model = reshard.from_pretrained("glm-ep8-fsdp64")  # doctest: +SKIP  (inside torchrun, 64 ranks)
     """
-    folder = Path(folder)
     installed_here = install()
     had_group = group_exists()
     try:
         if not in_distributed_job():
-            manifest = read_manifest(folder)
-            return _load_whole(folder, manifest, _model_class(manifest, model_class),
+            store = _store_of(folder)
+            manifest = _manifest_of(store)
+            return _load_whole(store, manifest, _model_class(manifest, model_class),
                                check_checksums=check_checksums, **kwargs)
         with group_owned(created=not had_group):
-            manifest, distributed_config = agree_to_load(folder, distributed_config)
-            with active_manifest(manifest.data, checksums=check_checksums):
-                return _model_class(manifest, model_class).from_pretrained(
-                    folder, distributed_config=distributed_config, **kwargs)
+            agreed = agree_to_load(folder, distributed_config)
+            with active_manifest(agreed.manifest, agreed.store, checksums=check_checksums):
+                return _model_class(agreed.manifest, model_class).from_pretrained(
+                    local_folder(agreed.store, agreed.manifest), distributed_config=agreed.distributed_config,
+                    **kwargs)
     finally:
         if installed_here:
             uninstall_unless_user()
 
 
-def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = True) -> dict:
-    """Full tensors from a reshard folder, in one process: each chunk placed at its offsets.
+def _store_of(folder):
+    from ..read.source import locate
+
+    try:
+        return locate(folder, outside_links=True).store
+    except ReshardError as e:
+        raise LoadError(str(e)) from e
+
+
+def _manifest_of(store) -> Manifest:
+    return read_manifest(store)  # its ManifestError is a LoadError too
+
+
+def local_folder(store, manifest: Manifest) -> Path:
+    """The folder transformers reads `config.json` (and the rest of the copied files) from: the folder itself, or, for
+    a remote one, a local copy of just those small files and the manifest."""
+    root = getattr(store, "root", None)
+    if root is not None:
+        return root
+    import tempfile
+
+    staged = Path(tempfile.mkdtemp(prefix="reshard-load-"))
+    for name in (MANIFEST_NAME, *manifest.copied):
+        (staged / name).write_bytes(store.read(name, 0, store.size(name)))
+    return staged
+
+
+def assemble_state_dict(folder, *, check_checksums: bool = True) -> dict:
+    """Full tensors from a reshard folder (local or remote), in one process: each chunk placed at its offsets.
 
     Before any tensor is built, the chunks the manifest lists must cover every tensor exactly (a gap would otherwise
     be uninitialized memory) and, with `check_checksums`, every file must match its CRC-32.
@@ -84,53 +111,74 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
     Raises:
         LoadError: the manifest is missing or unreadable, a tensor is not covered, or a file is missing or corrupt.
     """
-    import torch
-    from safetensors import safe_open
-
-    try:
-        manifest = read_manifest(folder)
-    except VerifyError as e:
-        raise LoadError("; ".join(e.problems)) from e
-    problems = coverage_problems(manifest.data)
+    store = folder if hasattr(folder, "read_all") else _store_of(folder)
+    manifest = _manifest_of(store)
+    problems = coverage_problems(manifest)
     for entry in manifest.files:
-        path = manifest.path / entry.name
-        if problem := member_problem(manifest.path, entry.name):  # a FIFO or a device is never read
-            problems.append(problem)
-            continue
-        try:
-            if check_checksums and (crc := file_crc32(path)) != entry.crc32:
-                problems.append(f"{entry.name} is corrupt (CRC-32 {crc}, the manifest says {entry.crc32})")
-            problems += header_problems(entry, manifest.chunks(entry), read_header(path))
-        except OSError as e:
-            problems.append(f"{entry.name} cannot be read ({e.strerror or e})")
-        except ReshardError as e:  # a header that does not parse
-            problems.append(str(e))
+        problems += _file_problems(store, manifest, entry, check_checksums)
     if problems:
-        raise LoadError(f"{manifest.path} cannot be loaded: {'; '.join(problems)}. Run `reshard verify` on it, or "
+        raise LoadError(f"{manifest.where} cannot be loaded: {'; '.join(problems)}. Run `reshard verify` on it, or "
                         "write it again.")
+    return _assembled(store, manifest)
+
+
+def _file_problems(store, manifest: Manifest, entry, check_checksums: bool) -> list[str]:
+    try:
+        size = store.size(entry.name)  # a FIFO or a device is never read
+        if size != entry.bytes:
+            return [f"{entry.name} has {size} bytes, the manifest says {entry.bytes}"]
+        if check_checksums and (crc := _crc32(store, entry.name, size)) != entry.crc32:
+            return [f"{entry.name} is corrupt (CRC-32 {crc}, the manifest says {entry.crc32})"]
+        return header_problems(entry, manifest.chunks(entry), header_of(store, entry.name))
+    except FileNotFoundError:
+        return [f"{entry.name} is missing"]
+    except OSError as e:
+        return [f"{entry.name} cannot be read ({e.strerror or e})"]
+    except ReshardError as e:  # a header that does not parse, a special file
+        return [str(e)]
+
+
+def _crc32(store, name: str, size: int) -> str:
+    import zlib
+
+    from ..read.store import READ_BLOCK
+
+    crc = 0
+    for start in range(0, size, READ_BLOCK):
+        crc = zlib.crc32(store.read(name, start, min(READ_BLOCK, size - start)), crc)
+    return f"{crc:08x}"
+
+
+def _assembled(store, manifest: Manifest) -> dict:
+    import torch
+
     out = {}
-    for name, info in manifest.data["tensors"].items():
-        dtype = torch_dtype(info["dtype"])
+    for name, info in manifest.tensors.items():
+        dtype = torch_dtype(info.dtype)
         if dtype is None:
-            raise LoadError(f"{name} is {info['dtype']}, a safetensors dtype this loader cannot assemble in torch.")
-        out[name] = torch.empty(info["shape"], dtype=dtype)
+            raise LoadError(f"{name} is {info.dtype}, a safetensors dtype this loader cannot assemble in torch.")
+        out[name] = torch.empty(info.shape, dtype=dtype)
     replicated_done = set()  # every coordinate holds a copy: read one
     for entry in manifest.files:
-        with safe_open(manifest.path / entry.name, framework="pt") as f:
-            for chunk in manifest.chunks(entry):
-                if chunk.is_empty or chunk.name in replicated_done:
-                    continue
-                if manifest.data["tensors"][chunk.name]["placement"]["kind"] == "replicated":
-                    replicated_done.add(chunk.name)
-                region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
-                out[chunk.name][region] = f.get_tensor(chunk.name)
+        stored = {t.name: t for t in header_of(store, entry.name).tensors}
+        for chunk in manifest.chunks(entry):
+            if chunk.is_empty or chunk.name in replicated_done:
+                continue
+            if manifest.tensors[chunk.name].is_replicated:
+                replicated_done.add(chunk.name)
+            t = stored[chunk.name]
+            data = bytearray(store.read(entry.name, t.data_start, t.nbytes))
+            local = torch.frombuffer(data, dtype=out[chunk.name].dtype).reshape(chunk.shape) if t.nbytes else None
+            region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+            if local is not None:
+                out[chunk.name][region] = local
     return out
 
 
-def _load_whole(folder: Path, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):
+def _load_whole(store, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):
     from transformers import AutoConfig
 
-    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(folder)
-    state_dict = assemble_state_dict(folder, check_checksums=check_checksums)
-    with active_manifest(manifest.data):
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(local_folder(store, manifest))
+    state_dict = assemble_state_dict(store, check_checksums=check_checksums)
+    with active_manifest(manifest, store):
         return model_class.from_pretrained(None, config=config, state_dict=state_dict, **kwargs)

@@ -26,8 +26,8 @@ import os
 import threading
 from contextlib import contextmanager
 
-# The manifest of the reshard folder being loaded, set around `from_pretrained`.
-_active_manifest: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reshard_manifest", default=None)
+# The manifest of the reshard folder being loaded and the store its files are read from, set around `from_pretrained`.
+_active_manifest: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("reshard_manifest", default=None)
 # Tensor name -> the dim FSDP splits, for the tensors the manifest splits on a dim other than 0.
 _split_dims: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("reshard_dims", default=None)
 # Parameter object id -> qualified name, for the model whose FSDP plan is being applied.
@@ -127,13 +127,11 @@ class _Unpatch:
 
 
 @contextmanager
-def active_manifest(manifest: dict | None, *, checksums: bool | None = None):
-    token = _active_manifest.set(manifest)
+def active_manifest(manifest, store=None, *, checksums: bool | None = None):
+    """Around a load of the reshard folder `manifest` (a `Manifest`) describes, its files read through `store`."""
+    token = _active_manifest.set(None if manifest is None else (manifest, store))
     crc_token = _checksums.set(_checksums.get() if checksums is None else checksums)
-    dims = None if manifest is None else {name: info["placement"]["shard_dim"]
-                                          for name, info in manifest["tensors"].items()
-                                          if info["placement"]["shard_dim"] not in (None, 0)}
-    dims_token = _split_dims.set(dims)
+    dims_token = _split_dims.set(None if manifest is None else manifest.split_dims)
     try:
         yield
     finally:
@@ -261,18 +259,17 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
 def _wrap_load_distributed(original):
     @functools.wraps(original)
     def _load_model_checkpoint_distributed(model, checkpoint_dir, strict=True):
-        from pathlib import Path
-
-        from ..manifest import MANIFEST_NAME, Manifest
+        from ..manifest import MANIFEST_NAME
         from .storage import load_model_state
 
-        manifest = _active_manifest.get()
-        if manifest is None or not os.path.isfile(os.path.join(checkpoint_dir, MANIFEST_NAME)):
+        active = _active_manifest.get()
+        if active is None or not os.path.isfile(os.path.join(checkpoint_dir, MANIFEST_NAME)):
             return original(model, checkpoint_dir, strict)
         # transformers' own version gathers the state dict, turns _StridedShard placements into plain shards (a
         # redistribution, and chunks that no longer match the files), loads, and sets the state dict back: here the
         # model's own tensors are the destination, so a rank whose placements match the folder reads its own files.
-        load_model_state(model, Manifest(manifest, Path(checkpoint_dir)), checksums=_checksums.get(), strict=strict)
+        manifest, store = active
+        load_model_state(model, manifest, store, checksums=_checksums.get(), strict=strict)
         return None
 
     return _load_model_checkpoint_distributed
@@ -303,13 +300,16 @@ def _wrap_from_pretrained(original):
         from ..manifest import MANIFEST_NAME, read_manifest
 
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
-        manifest = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
+        active = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
         direct = all(kwargs.get(k) is None for k in ("state_dict", "gguf_file")) and not kwargs.get("subfolder")
-        if manifest is None and folder is not None and direct and _multi_rank() and _is_candidate(folder):
-            manifest, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"))
-        if manifest is None and folder is not None and (folder / MANIFEST_NAME).is_file():
-            manifest = read_manifest(folder).data  # validated, version included (ManifestError, a LoadError)
-        if manifest is None:
+        if active is None and folder is not None and direct and _multi_rank() and _is_candidate(folder):
+            active, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"))
+        if active is None and folder is not None and (folder / MANIFEST_NAME).is_file():
+            from ..read.source import locate
+
+            store = locate(folder, outside_links=True).store
+            active = read_manifest(store), store  # validated, version included (ManifestError, a LoadError)
+        if active is None:
             token = _dcp_path.set(False)  # a checkpoint loaded inside a reshard load is an ordinary one
             try:
                 return func(cls, pretrained_model_name_or_path, *args, **kwargs)
@@ -318,7 +318,7 @@ def _wrap_from_pretrained(original):
         # transformers takes its distributed-checkpoint path for a folder of shard files unless these are given.
         dcp_token = _dcp_path.set(direct)
         try:
-            with active_manifest(manifest):
+            with active_manifest(*active):
                 return func(cls, pretrained_model_name_or_path, *args, **kwargs)
         finally:
             _dcp_path.reset(dcp_token)
@@ -346,7 +346,7 @@ def _is_candidate(folder) -> bool:
 
 
 def _agree(folder, distributed_config):
-    """The agreed (manifest document, DistributedConfig) for a reshard folder, or (None, the config given)."""
+    """The agreed ((manifest, store), DistributedConfig) for a reshard folder, or (None, the config given)."""
     from ..launch import in_distributed_job
     from .agreement import agree_to_load
 
@@ -354,5 +354,4 @@ def _agree(folder, distributed_config):
     agreed = agree_to_load(folder, distributed_config, require_manifest=False)
     if agreed is None:
         return None, distributed_config
-    manifest, config = agreed
-    return manifest.data, config
+    return (agreed.manifest, agreed.store), agreed.distributed_config

@@ -36,23 +36,18 @@ from pathlib import Path
 from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header, torch_dtype
 from ..errors import LoadError, ReshardError
 from .local_read import BackgroundCrc, Staging, fill, read_tensor
-from ..manifest import MANIFEST_NAME, Manifest, header_problems, open_member, placement_of, read_manifest
+from ..manifest import MANIFEST_NAME, Manifest, header_problems, read_manifest
 from ..runs.byte_runs import row_major_strides
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader  # `import reshard` imports this module lazily
 
 
-def _manifest_of(out) -> Manifest:
-    if isinstance(out, Manifest):
-        return out
-    return read_manifest(out)  # its ManifestError is a LoadError
-
-
-def _open(path: Path):
-    """The one place files are opened for reading data (tests wrap it to audit every byte read): only a regular
-    file, and the open never blocks on a FIFO (`open_member`)."""
-    return open_member(path.parent, path.name)
+def _open(store, name: str):
+    """The one place files are opened for reading data (tests wrap it to audit every byte read): a local file only
+    if it is a regular file, and the open never blocks on a FIFO; a remote one read in large ranges
+    (`reshard.read.store.RangeFile`)."""
+    return store.open(name)
 
 
 class _KindChunks:
@@ -88,20 +83,20 @@ class _ChunkFiles(Mapping):
         from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 
         reader = self._reader
-        info = reader.manifest.data["tensors"][index.fqn]
+        info = reader.manifest.tensors[index.fqn]
         size = reader._kind(index.fqn).sizes[tuple(index.offset)]
-        return _HFStorageInfo(str(reader.manifest.path / reader._file_of(index.fqn, tuple(index.offset))),
-                              torch.Size(size), torch_dtype(info["dtype"]))
+        return _HFStorageInfo(reader.store.url(reader._file_of(index.fqn, tuple(index.offset))),
+                              torch.Size(size), torch_dtype(info.dtype))
 
     def __iter__(self):
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        for name in self._reader.manifest.data["order"]:
+        for name in self._reader.manifest.order:
             for offsets in self._reader._kind(name).holders:
                 yield MetadataIndex(name, offsets)
 
     def __len__(self):
-        return sum(len(self._reader._kind(n).holders) for n in self._reader.manifest.data["order"])
+        return sum(len(self._reader._kind(n).holders) for n in self._reader.manifest.order)
 
 
 class StorageReader(HuggingFaceStorageReader):
@@ -134,36 +129,48 @@ class StorageReader(HuggingFaceStorageReader):
         >>> dcp.load(model.state_dict(), storage_reader=reshard.StorageReader(out))  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike | Manifest, thread_count: int = 1, *, check_checksums: bool = True):
-        if not isinstance(path, Manifest) and not (Path(os.fspath(path)) / MANIFEST_NAME).exists():
+    def __init__(self, path: str | os.PathLike | Manifest, thread_count: int = 1, *, check_checksums: bool = True,
+                 store=None):
+        from ..read.source import locate
+
+        if store is None:
+            try:
+                store = locate(path.where if isinstance(path, Manifest) else path, outside_links=True).store
+            except ReshardError as e:
+                raise LoadError(str(e)) from e
+        if not isinstance(path, Manifest) and not store.exists(MANIFEST_NAME):
+            if store.remote:
+                raise LoadError(f"{store.location}: no {MANIFEST_NAME}; from an object store reshard reads reshard "
+                                "folders only (`reshard write`). Copy the folder to a file system to read it with "
+                                "torch's HuggingFaceStorageReader.")
             # Not a reshard folder (a save_pretrained distributed checkpoint, torch's own DCP-safetensors output):
             # read it as torch's reader does, metadata from the headers. Its files carry no CRC to check.
             super().__init__(os.fspath(path), thread_count)
-            self.manifest = None
+            self.manifest, self.store = None, store
             self.check_checksums = False
             self.checked_files, self.unchecked_files = [], []
             return
-        manifest = _manifest_of(path)
-        super().__init__(str(manifest.path), thread_count)
-        self.manifest = manifest
+        manifest = path if isinstance(path, Manifest) else read_manifest(store)  # a ManifestError is a LoadError
+        super().__init__(getattr(store, "root", None) or store.location, thread_count)
+        self.manifest, self.store = manifest, store
         self.check_checksums = check_checksums
         self.checked_files: list[str] = []
         self.unchecked_files: list[str] = []
         self._kinds: dict[tuple, _KindChunks] = {}
         self._own: int | None = None
         self._headers: dict[str, tuple[FileHeader, bytes]] = {}
-        self._position = {name: i for i, name in enumerate(manifest.data["order"])}
-        self._runs: dict[int, tuple[list[int], list[dict]]] = {}
-        for entry in sorted(manifest.files, key=lambda e: (e["coord"], e["first"])):
-            firsts, entries = self._runs.setdefault(entry["coord"], ([], []))
-            firsts.append(entry["first"])
+        self._position = {name: i for i, name in enumerate(manifest.order)}
+        self._runs: dict[int, tuple[list[int], list]] = {}
+        for entry in sorted(manifest.files, key=lambda e: (e.coord, e.first)):
+            firsts, entries = self._runs.setdefault(entry.coord, ([], []))
+            firsts.append(entry.first)
             entries.append(entry)
 
     # ---- metadata, from the manifest ---------------------------------------------------------------------------
 
     def _kind(self, name: str) -> _KindChunks:
-        info = self.manifest.data["tensors"][name]
-        key = (tuple(info["shape"]), placement_of(info))
+        info = self.manifest.tensors[name]
+        key = (info.shape, info.placement)
         kind = self._kinds.get(key)
         if kind is None:
             kind = self._kinds[key] = _KindChunks(*key, self.manifest.mesh)
@@ -177,13 +184,13 @@ class StorageReader(HuggingFaceStorageReader):
             TensorStorageMetadata
 
         tensors = {}
-        for name in self.manifest.data["order"]:
-            info = self.manifest.data["tensors"][name]
-            dtype = torch_dtype(info["dtype"])
+        for name in self.manifest.order:
+            info = self.manifest.tensors[name]
+            dtype = torch_dtype(info.dtype)
             if dtype is None:
-                raise LoadError(f"{name} is {info['dtype']} in {self.manifest.path}, a dtype torch cannot hold.")
+                raise LoadError(f"{name} is {info.dtype} in {self.manifest.where}, a dtype torch cannot hold.")
             tensors[name] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype),
-                                                  size=torch.Size(info["shape"]), chunks=self._kind(name).chunks)
+                                                  size=torch.Size(info.shape), chunks=self._kind(name).chunks)
         metadata = Metadata(state_dict_metadata=tensors, storage_data=_ChunkFiles(self))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
@@ -203,10 +210,12 @@ class StorageReader(HuggingFaceStorageReader):
             if self._own is not None and entry.coord != self._own:
                 continue
             try:
-                with _open(self.manifest.path / entry.name) as fh:
+                with _open(self.store, entry.name) as fh:
                     headers[entry.name] = self._header(fh, entry.name, entry)
             except OSError as e:
                 raise LoadError(f"{entry.name} cannot be read ({e.strerror or e})") from e
+            except ReshardError as e:
+                raise LoadError(str(e)) from e
         return headers
 
     def _own_coord(self) -> int | None:
@@ -221,11 +230,11 @@ class StorageReader(HuggingFaceStorageReader):
     def _file_of(self, name: str, offsets: tuple[int, ...]) -> str:
         holders = self._kind(name).holders.get(offsets)
         if not holders:
-            raise LoadError(f"{self.manifest.path} holds no chunk of {name} at offsets {list(offsets)}.")
+            raise LoadError(f"{self.manifest.where} holds no chunk of {name} at offsets {list(offsets)}.")
         coord = self._own if self._own in holders else holders[0]
         firsts, entries = self._runs[coord]
         entry = entries[bisect.bisect_right(firsts, self._position[name]) - 1]
-        return entry["name"]
+        return entry.name
 
     # ---- data --------------------------------------------------------------------------------------------------
 
@@ -289,10 +298,10 @@ class StorageReader(HuggingFaceStorageReader):
         except OSError as e:
             raise LoadError(f"{name} cannot be read ({e.strerror or e})") from e
 
-    def _header(self, fh, name: str, entry: dict) -> tuple[FileHeader, bytes]:
-        size = os.fstat(fh.fileno()).st_size
-        if size != entry["bytes"]:
-            raise LoadError(f"{name} has {size} bytes, the manifest says {entry['bytes']}")
+    def _header(self, fh, name: str, entry) -> tuple[FileHeader, bytes]:
+        size = self.store.size(name)
+        if size != entry.bytes:
+            raise LoadError(f"{name} has {size} bytes, the manifest says {entry.bytes}")
         prefix = bytearray(8)
         fill(fh, memoryview(prefix), name)
         (length,) = struct.unpack("<Q", prefix)
@@ -304,13 +313,13 @@ class StorageReader(HuggingFaceStorageReader):
         header = parse_header(bytes(raw), file=name, file_size=size)
         problems = header_problems(entry, self.manifest.chunks(entry), header)
         if problems:
-            raise LoadError(f"{'; '.join(problems)}. Run `reshard verify {self.manifest.path}`, or write it again.")
+            raise LoadError(f"{'; '.join(problems)}. Run `reshard verify {self.manifest.where}`, or write it again.")
         return header, bytes(prefix) + bytes(raw)
 
     def _read_file(self, name: str, items: list, planner, staging: Staging) -> None:
         entry = self.manifest.file_entry(name)
         checked = self._headers.pop(name, None)
-        with _open(self.manifest.path / name) as fh:
+        with _open(self.store, name) as fh:
             if checked is None:
                 header, head = self._header(fh, name, entry)
             else:
@@ -338,8 +347,8 @@ class StorageReader(HuggingFaceStorageReader):
                     position = span[1]
                 if crc:
                     value = crc.hexdigest()
-                    if value != entry["crc32"]:
-                        raise LoadError(f"{name} is corrupt (CRC-32 {value}, the manifest says {entry['crc32']})")
+                    if value != entry.crc32:
+                        raise LoadError(f"{name} is corrupt (CRC-32 {value}, the manifest says {entry.crc32})")
                     self.checked_files.append(name)
                 else:
                     self.unchecked_files.append(name)
@@ -391,7 +400,7 @@ def _region(buffer, stored, item):
     return typed.as_strided(tuple(item.lengths), row_major_strides(stored.shape), 0)
 
 
-def load_model_state(model, manifest: Manifest, *, checksums: bool = True, strict: bool = True) -> None:
+def load_model_state(model, manifest: Manifest, store, *, checksums: bool = True, strict: bool = True) -> None:
     """`dcp.load` of `model.state_dict()` in place with a `StorageReader`: what the transformers patch runs on the
     distributed-checkpoint path. DCP gathers every rank's failure into one exception on every rank; it is raised
     here as one `LoadError` naming each failing rank and its cause.
@@ -407,7 +416,7 @@ def load_model_state(model, manifest: Manifest, *, checksums: bool = True, stric
     from ..launch import raise_if_any
 
     try:
-        dcp.load(model.state_dict(), storage_reader=StorageReader(manifest, check_checksums=checksums),
+        dcp.load(model.state_dict(), storage_reader=StorageReader(manifest, check_checksums=checksums, store=store),
                  planner=DefaultLoadPlanner(allow_partial_load=not strict))
     except CheckpointException as e:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -443,12 +452,15 @@ def shard_placement_fn(out: str | os.PathLike | Manifest, model=None):
         >>> fn = reshard.shard_placement_fn(out, model)  # doctest: +SKIP
         >>> fully_shard(layer.mlp.experts, mesh=expert_mesh["efsdp"], shard_placement_fn=fn)  # doctest: +SKIP
     """
-    manifest = _manifest_of(out)
-    dims = {name: info["placement"]["shard_dim"] for name, info in manifest.data["tensors"].items()
-            if info["placement"]["kind"] != "replicated"}
+    if not isinstance(out, Manifest):
+        from ..read.source import locate
+
+        out = read_manifest(locate(out, outside_links=True).store)  # a ManifestError is a LoadError
+    manifest = out
+    dims = {name: info.placement.shard_dim for name, info in manifest.tensors.items() if not info.is_replicated}
     by_shape: dict[tuple[int, ...], set[int]] = {}
     for name, dim in dims.items():
-        by_shape.setdefault(tuple(manifest.data["tensors"][name]["shape"]), set()).add(dim)
+        by_shape.setdefault(manifest.tensors[name].shape, set()).add(dim)
     names: dict[int, str] = {}
 
     def placement(param):
@@ -462,7 +474,7 @@ def shard_placement_fn(out: str | os.PathLike | Manifest, model=None):
         else:
             found = by_shape.get(tuple(param.shape), set())
             if len(found) > 1:
-                raise LoadError(f"{manifest.path} splits tensors of shape {list(param.shape)} on dims "
+                raise LoadError(f"{manifest.where} splits tensors of shape {list(param.shape)} on dims "
                                 f"{sorted(found)}: pass the model, reshard.shard_placement_fn(out, model), to tell "
                                 "them apart by name.")
             dim = next(iter(found), None)

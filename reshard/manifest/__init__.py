@@ -1,7 +1,7 @@
 """The manifest: `reshard.json` and the files it describes, built, validated and read in one place.
 
 - `format`: the file names, the `DCP_SHARDING_INFO` header metadata and the document's JSON form;
-- `document`: the document a write records (`manifest_document`), and `source_layout` its on-disk layout record;
+- `document`: the manifest a write records (`build_manifest`), and `source_layout` its on-disk layout record;
 - `validate`: every key, type and range checked before anything uses them (`validate_manifest`);
 - `entries` and `parsed`: the typed view (`Manifest`, `read_manifest`) and the check of a header against it;
 - `members`: the folder's files, opened only as regular files under plain names;
@@ -12,23 +12,21 @@ The names below are the package's public ones: `from reshard.manifest import X` 
 """
 
 from .coverage import coverage_problem, coverage_problems, region_text
-from .document import manifest_document
-from .entries import Chunk, CoordEntry, FileEntry, TensorInfo, file_chunks, placement_of
+from .document import build_manifest
+from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of, placement_of
 from .format import (DCP_SHARDING_INFO_KEY, DCP_VERSION, DCP_VERSION_KEY, EXTRA_FILE, MANIFEST_FORMAT, MANIFEST_NAME,
-                     MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, dcp_metadata, dump_manifest, extra_file_name,
-                     shard_file_name)
+                     MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, dcp_metadata, extra_file_name, shard_file_name)
 from .members import check_member, file_crc32, member_problem, open_member, plain_name_problem
-from .parsed import MAX_MANIFEST_BYTES, Manifest, header_problems, read_manifest
-from .source_layout import (SOURCE_LAYOUT_VERSION, OnDisk, recorded_source_layout, source_layout_record,
-                            tied_from_record)
+from .parsed import MAX_MANIFEST_BYTES, Manifest, claimed_names, header_problems, read_manifest
+from .source_layout import SOURCE_LAYOUT_VERSION, OnDisk, source_layout_record, tied_from_record
 from .validate import validate_manifest
 
 __all__ = [
-    "Chunk", "CoordEntry", "DCP_SHARDING_INFO_KEY", "DCP_VERSION", "DCP_VERSION_KEY", "EXTRA_FILE", "FileEntry",
-    "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "Manifest", "OnDisk",
-    "SAVED_OFFSETS_KEY", "SHARD_FILE", "SOURCE_LAYOUT_VERSION", "TensorInfo", "check_member", "coverage_problem",
-    "coverage_problems", "dcp_metadata", "dump_manifest", "extra_file_name", "file_chunks", "file_crc32",
-    "header_problems", "manifest_document", "member_problem", "open_member", "placement_of", "plain_name_problem",
-    "read_manifest", "recorded_source_layout", "region_text", "shard_file_name",
-    "source_layout_record", "tied_from_record", "validate_manifest",
+    "Chunk", "CoordEntry", "DCP_SHARDING_INFO_KEY", "DCP_VERSION", "DCP_VERSION_KEY", "EXTRA_FILE", "ExtrasEntry",
+    "FileEntry", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "Manifest", "OnDisk",
+    "SAVED_OFFSETS_KEY", "SHARD_FILE", "SOURCE_LAYOUT_VERSION", "SourceRecord", "TensorInfo", "build_manifest",
+    "check_member", "chunk_of", "claimed_names", "coverage_problem", "coverage_problems", "dcp_metadata", "extra_file_name",
+    "file_crc32", "header_problems", "member_problem", "open_member", "placement_of", "plain_name_problem",
+    "read_manifest", "region_text", "shard_file_name", "source_layout_record", "tied_from_record",
+    "validate_manifest",
 ]

@@ -10,7 +10,6 @@ import math
 
 from ..plan.mesh import MeshSpec
 from ..plan.placement import Kind, local_box
-from .entries import placement_of
 
 
 def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
@@ -23,28 +22,27 @@ def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
     return cursor == size
 
 
-def coverage_problems(data: dict) -> list[str]:
-    """What the manifest leaves uncovered or covers twice; pure, O(files + tensors + kinds x coordinates), where a
-    kind is a distinct (shape, placement) pair: a few dozen, however many layers.
+def coverage_problems(manifest) -> list[str]:
+    """What `manifest` (a `Manifest`) leaves uncovered or covers twice; pure, O(files + tensors + kinds x
+    coordinates), where a kind is a distinct (shape, placement) pair: a few dozen, however many layers.
 
     Two things make every byte land exactly once: each coordinate's files hold the runs of `order` that together
     are all of it, once; and each tensor's chunks over the coordinates tile it. Every layout reshard writes is a grid
     (each dim split on its own), so a tensor is tiled exactly when, on every dim, the distinct chunk intervals tile the
     dim and the distinct chunks are all the cells of that grid. A replicated tensor is whole in every coordinate.
     """
-    mesh = MeshSpec(**data["mesh"])
-    order, problems = data["order"], []
+    mesh, order, problems = manifest.mesh, manifest.order, []
     runs: dict[int, list[tuple[int, int]]] = {c: [] for c in range(mesh.num_coords)}
-    for entry in data["files"]:
-        runs.setdefault(entry["coord"], []).append((entry["first"], entry["count"]))
+    for entry in manifest.files:
+        runs.setdefault(entry.coord, []).append((entry.first, entry.count))
     for coord, found in runs.items():
         if not _tiles(found, len(order)) or len(set(found)) != len(found):
             problems.append(f"coordinate {coord}: its files hold tensors {sorted(found)} (first, count) of the "
                             f"{len(order)} in order, not each exactly once")
     by_kind: dict[tuple, str | None] = {}
     for name in order:
-        info = data["tensors"][name]
-        kind = (tuple(info["shape"]), placement_of(info))
+        info = manifest.tensors[name]
+        kind = (info.shape, info.placement)
         if kind not in by_kind:
             by_kind[kind] = _tiling_problem(*kind, mesh)
         if by_kind[kind]:

@@ -1,4 +1,4 @@
-"""The manifest document a write records, built here beside the parser that reads it back (`validate_manifest`).
+"""The manifest a write records, built here beside the parser that reads it back (`validate_manifest`).
 
 From the typed inputs only: the plan (what each file holds follows from its placements), the source index (its name,
 header digests, copied files, quantization and on-disk layout) and the entries of the files written. The keys are
@@ -12,19 +12,25 @@ from ..plan.layout import TargetTensor
 from ..plan.mesh import MeshSpec
 from ..plan.placement import Placement, ReshardPlan
 from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
+from .parsed import Manifest
 from .source_layout import source_layout_record
 
 
-def manifest_document(plan: ReshardPlan, index, files: list[dict], extras: list[dict] = ()) -> dict:
-    """The manifest document of a written folder.
+def build_manifest(plan: ReshardPlan, index, files: list[dict], extras: list[dict] = (), *, where) -> Manifest:
+    """The manifest of a written folder, built from what was written and validated as any manifest read back is.
 
     Args:
+        where: the folder being written (messages name it).
         plan: the plan the files were written from.
         index: the source (`reshard.read.checkpoint.CheckpointIndex`, or its bf16 view of a quantized checkpoint).
         files: the rank files' entries (`name`, `coord`, `first`, `count`, `bytes`, `crc32`, `empty_markers`),
             every coordinate's, in any order.
         extras: the extras files' entries (`write_extras`); the `extras` section only when there are any.
     """
+    return Manifest.from_document(_document(plan, index, files, extras), where)
+
+
+def _document(plan: ReshardPlan, index, files: list[dict], extras) -> dict:
     mesh = plan.mesh
     by_coord: dict[int, list[dict]] = {c: [] for c in range(mesh.num_coords)}
     for entry in sorted(files, key=lambda f: (f["coord"], f["first"])):

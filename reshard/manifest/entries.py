@@ -6,6 +6,7 @@ A chunk is never stored: its offsets and shape follow from the tensor's placemen
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..plan.mesh import MeshSpec
@@ -28,7 +29,8 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One entry of the manifest's `tensors`, checked: its global shape, dtype, role and the placement written."""
+    """One entry of the manifest's `tensors`, checked: its global shape, dtype, role, the placement written and, for a
+    tensor computed from a quantized pair, what it was dequantized from (`dequantized_from`: method, keys, ...)."""
 
     name: str
     shape: tuple[int, ...]
@@ -36,6 +38,11 @@ class TensorInfo:
     role: str
     is_param: bool
     placement: Placement
+    dequantized_from: Mapping | None = None
+
+    @property
+    def is_replicated(self) -> bool:
+        return self.placement.kind is Kind.REPLICATED
 
 
 @dataclass(frozen=True)
@@ -51,10 +58,6 @@ class FileEntry:
     crc32: str
     empty_markers: int
 
-    def __getitem__(self, key: str):
-        # the document's spelling (`entry["name"]`), for code written against the JSON entries
-        return getattr(self, key)
-
 
 @dataclass(frozen=True)
 class CoordEntry:
@@ -66,20 +69,43 @@ class CoordEntry:
     empty_markers: int
 
 
+@dataclass(frozen=True)
+class ExtrasEntry:
+    """One entry of the manifest's optional `extras`: a file of tensors the model does not load, whole under their
+    on-disk keys, read by no rank."""
+
+    name: str
+    bytes: int
+    crc32: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """The manifest's `source`: what the folder was written from.
+
+    Attributes:
+        source: the source as it was given (a path, a repo id, a URL).
+        revision: the Hub revision asked for, or None.
+        model_type, architecture: of the model (None when unknown).
+        header_sha256: the source's safetensors header digests by file.
+        quantization_config: the quantized source's `quantization_config`, or None.
+    """
+
+    source: str
+    revision: str | None
+    model_type: str | None
+    architecture: str | None
+    header_sha256: Mapping
+    quantization_config: Mapping | None = None
+
+
 def placement_of(info: dict) -> Placement:
-    """The `Placement` a manifest tensor entry records."""
-    p = info["placement"]
-    return Placement(Kind(p["kind"]), p["shard_dim"], p["degree"], p["ep"])
+    """The `Placement` a manifest document's tensor entry records (`{"kind", "shard_dim", "degree", "ep"}`)."""
+    return Placement(Kind(info["kind"]), info["shard_dim"], info["degree"], info["ep"])
 
 
-def file_chunks(data: dict, entry: dict) -> list[Chunk]:
-    """The chunks of one file entry of a manifest document (pure; O(tensors in the file))."""
-    mesh = MeshSpec(**data["mesh"])
-    tensors = data["tensors"]
-    out = []
-    for name in data["order"][entry["first"]:entry["first"] + entry["count"]]:
-        info = tensors[name]
-        box = local_box(tuple(info["shape"]), placement_of(info), mesh, entry["coord"])
-        out.append(Chunk(name, tuple(o for o, _ in box), tuple(n for _, n in box), info["dtype"]))
-    return out
-
+def chunk_of(info: TensorInfo, mesh: MeshSpec, coord: int) -> Chunk:
+    """Tensor `info`'s chunk on coordinate `coord`: its offsets and shape follow from the placement (`local_box`)."""
+    box = local_box(info.shape, info.placement, mesh, coord)
+    return Chunk(info.name, tuple(o for o, _ in box), tuple(n for _, n in box), info.dtype)

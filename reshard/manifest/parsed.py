@@ -6,16 +6,18 @@ every load path, the reader and a read as a source use that one check.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..errors import ManifestError
+from ..errors import ManifestError, ReshardError
 from ..plan.mesh import MeshSpec
-from ..plan.placement import local_box
-from .entries import Chunk, CoordEntry, FileEntry, TensorInfo
-from .format import DCP_SHARDING_INFO_KEY, MANIFEST_NAME, REMEDY, SAVED_OFFSETS_KEY, show
+from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of
+from .format import DCP_SHARDING_INFO_KEY, MANIFEST_FORMAT, MANIFEST_NAME, REMEDY, SAVED_OFFSETS_KEY, dump_manifest, show
 from .members import open_member
+from .source_layout import recorded_source_layout
 from .validate import validate_manifest
 
 MAX_MANIFEST_BYTES = 1 << 30  # far above any real manifest (linear in tensors plus coordinates)
@@ -23,33 +25,50 @@ MAX_MANIFEST_BYTES = 1 << 30  # far above any real manifest (linear in tensors p
 
 @dataclass(frozen=True)
 class Manifest:
-    """`reshard.json`, parsed and validated (`validate_manifest`) on construction: `Manifest(data, path)` of a
-    document that is not a sound manifest raises `ManifestError`. See docs/format.md, "The manifest", for every field.
+    """`reshard.json`, parsed and validated: the one typed value of a reshard folder's manifest. See docs/format.md,
+    "The manifest", for every field.
 
-    The manifest's size grows with tensors plus coordinates, not their product: a file entry names the run of
-    `order` it holds (`first`, `count`), and each chunk's offsets and shape follow from the tensor's placement and
-    the file's coordinate (`local_box`), computed here for the coordinates asked about only.
+    Built only through `Manifest.from_document` (validated: a document that is not a sound manifest raises
+    `ManifestError`), by `read_manifest` and by the writer (`reshard.manifest.build_manifest`). Its size grows with
+    tensors plus coordinates, not their product: a file entry names the run of `order` it holds (`first`, `count`),
+    and each chunk's offsets and shape follow from the tensor's placement and the file's coordinate (`chunks`).
 
     Attributes:
-        data: the whole JSON document (validated; the typed fields below are its checked view).
-        path: the folder it was read from.
-        mesh, order, tensors, files, coords, copied: the checked sections.
+        where: the folder or URL it was read from (or will be written to), as messages show it.
+        mesh, order, tensors, files, coords, copied, source, layout, extras, dropped_unloaded, tool: the checked
+            sections (`layout`: `balanced` or `stock`).
     """
 
-    data: dict
-    path: Path
-    mesh: MeshSpec = field(init=False, repr=False)
-    order: tuple[str, ...] = field(init=False, repr=False)
-    tensors: dict[str, TensorInfo] = field(init=False, repr=False)
-    files: tuple[FileEntry, ...] = field(init=False, repr=False)
-    coords: tuple[CoordEntry, ...] = field(init=False, repr=False)
-    copied: tuple[str, ...] = field(init=False, repr=False)
+    where: str
+    mesh: MeshSpec
+    order: tuple[str, ...]
+    tensors: Mapping[str, TensorInfo]
+    files: tuple[FileEntry, ...]
+    coords: tuple[CoordEntry, ...]
+    copied: tuple[str, ...]
+    source: SourceRecord
+    layout: str
+    extras: tuple[ExtrasEntry, ...]
+    dropped_unloaded: int
+    tool: str
+    _document: dict = field(repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "path", Path(self.path))
-        for name, value in validate_manifest(self.data).items():
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "_by_name", {f.name: f for f in self.files})
+    @classmethod
+    def from_document(cls, document, where: str | os.PathLike) -> "Manifest":
+        """The manifest `document` (parsed JSON) describes, validated (`validate_manifest`).
+
+        Raises:
+            ManifestError: the document is not a sound manifest (naming the key and its value).
+        """
+        return cls(str(where), **validate_manifest(document), _document=document)
+
+    def to_json(self) -> str:
+        """The document as `reshard.json` holds it (deterministic: sorted keys)."""
+        return dump_manifest(self._document)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, FileEntry]:
+        return {f.name: f for f in self.files}
 
     def files_of_rank(self, rank: int) -> list[str]:
         """The files rank `rank` reads its shards from (its coordinate's files)."""
@@ -63,12 +82,8 @@ class Manifest:
 
     def chunks(self, entry: FileEntry) -> list[Chunk]:
         """The chunks file `entry` holds, in file order (O(tensors in the file))."""
-        out = []
-        for name in self.order[entry.first:entry.first + entry.count]:
-            info = self.tensors[name]
-            box = local_box(info.shape, info.placement, self.mesh, entry.coord)
-            out.append(Chunk(name, tuple(o for o, _ in box), tuple(n for _, n in box), info.dtype))
-        return out
+        return [chunk_of(self.tensors[name], self.mesh, entry.coord)
+                for name in self.order[entry.first:entry.first + entry.count]]
 
     def empty_of_rank(self, rank: int) -> list[str]:
         """Tensors whose local is empty on `rank` (an explicit empty marker in its files)."""
@@ -86,32 +101,88 @@ class Manifest:
         coords = sorted({self.mesh.coord_of(r) for r in ranks})
         return [MANIFEST_NAME, *self.copied, *(name for c in coords for name in self.files_of_coord(c))]
 
-    def open_file(self, name: str):
-        """`open_member(self.path, name)`: a file of the folder, opened only if it is a regular file."""
-        return open_member(self.path, name)
+    @property
+    def split_dims(self) -> dict[str, int]:
+        """Tensor -> the dim FSDP splits, for every tensor split on a dim other than 0 (balanced expert tensors)."""
+        return {name: info.placement.shard_dim for name, info in self.tensors.items()
+                if info.placement.shard_dim not in (None, 0)}
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the rank files together."""
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def empty_markers(self) -> int:
+        return sum(f.empty_markers for f in self.files)
+
+    @property
+    def dequantized(self) -> int:
+        """Tensors computed from a quantized source (`write --dequantize`)."""
+        return sum(info.dequantized_from is not None for info in self.tensors.values())
+
+    def original_layout(self) -> tuple[dict | None, str | None]:
+        """The source's on-disk layout the manifest records (`recorded_source_layout`): (per tensor its on-disk
+        pieces, or None and why)."""
+        return recorded_source_layout(self._document, self.source.source)
 
 
-def read_manifest(folder: str | Path) -> Manifest:
-    """Read `reshard.json` in `folder` and validate it (`validate_manifest`).
+def read_manifest(folder) -> Manifest:
+    """Read `reshard.json` of `folder` (a local folder, or a `reshard.read.store.Store`) and validate it.
 
     Raises:
         ManifestError: the manifest is missing, not a regular file, not JSON, of an unknown format/version, or not
             a sound manifest (naming the key and the value).
     """
-    folder = Path(folder)
-    path = folder / MANIFEST_NAME
+    where = getattr(folder, "location", None) or str(folder)
+    path = f"{where.rstrip('/')}/{MANIFEST_NAME}"
     try:
-        with open_member(folder, MANIFEST_NAME) as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise ManifestError([f"{path}: over {MAX_MANIFEST_BYTES} bytes, not a manifest reshard writes. {REMEDY}"])
-        data = json.loads(raw)
+        if hasattr(folder, "read_all"):
+            raw = folder.read_all(MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest")
+        else:
+            with open_member(folder, MANIFEST_NAME) as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise ManifestError([f"{path}: over {MAX_MANIFEST_BYTES} bytes, not a manifest reshard writes. "
+                                     f"{REMEDY}"])
+        document = json.loads(raw)
     except FileNotFoundError as e:
         raise ManifestError([f"{path}: no manifest; this folder was not written by `reshard write` (or the write "
                              "did not finish). Write it again."]) from e
+    except ReshardError as e:
+        raise ManifestError([f"{path}: {e}"]) from e
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested deeper than the parser goes
         raise ManifestError([f"{path}: unreadable manifest ({type(e).__name__}: {str(e)[:200]}). {REMEDY}"]) from e
-    return Manifest(data, folder)
+    return Manifest.from_document(document, where)
+
+
+def claimed_names(folder, *, with_copied: bool = True) -> tuple[set[str] | None, str | None]:
+    """The file names the manifest of a reshard output in local `folder` claims as its own (the manifest, rank and
+    extras files, and the `copied` ones), read leniently, since an output of an older reshard may be replaced too:
+    (names, None), (None, None) when it records no `copied` (and `with_copied`), or (None, why) when there is no
+    reshard manifest to read."""
+    try:
+        with open_member(folder, MANIFEST_NAME) as f:
+            document = json.loads(f.read(MAX_MANIFEST_BYTES))
+    except FileNotFoundError:
+        return None, f"it holds {_some(sorted(os.listdir(folder)))} and no {MANIFEST_NAME}, so it is not a reshard output"
+    except (OSError, ValueError, ReshardError) as e:
+        return None, f"its {MANIFEST_NAME} cannot be read ({e})"
+    try:
+        if document.get("format") != MANIFEST_FORMAT:
+            return None, f"its {MANIFEST_NAME} is not a reshard manifest"
+        ours = {MANIFEST_NAME, *(f["name"] for f in document["files"]),
+                *(f["name"] for f in document.get("extras") or ())}
+        copied = document.get("copied")
+    except (AttributeError, KeyError, TypeError):
+        return None, f"its {MANIFEST_NAME} is damaged"
+    if not with_copied:
+        return ours, None
+    return (None, None) if copied is None else (ours | set(copied), None)
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def header_problems(entry: FileEntry, expected: list[Chunk], header) -> list[str]:

@@ -41,7 +41,7 @@ def source_layout_record(layout, index) -> dict | None:
             "tensors": {name: [_format_on_disk(p) for p in pieces] for name, pieces in tensors.items()}}
 
 
-def recorded_source_layout(data: dict) -> tuple[dict | None, str | None]:
+def recorded_source_layout(data: dict, source: str) -> tuple[dict | None, str | None]:
     """The on-disk layout a manifest document records (per in-memory tensor, its `OnDisk` tuples), or None and why:
     a folder written before it was recorded, or a record of another version.
 
@@ -50,7 +50,7 @@ def recorded_source_layout(data: dict) -> tuple[dict | None, str | None]:
     """
     record = data.get("source_layout")
     if not record:
-        return None, (f"{data['source']['source']} was written by `reshard write` before reshard recorded the source's "
+        return None, (f"{source} was written by `reshard write` before reshard recorded the source's "
                       "on-disk layout in reshard.json; use --layout fused, or write the folder again with this reshard")
     if record.get("version") != SOURCE_LAYOUT_VERSION:
         return None, (f"reshard.json records the source layout in version {record.get('version')}, this reshard reads "

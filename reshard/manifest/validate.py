@@ -16,7 +16,7 @@ from ..plan.dtypes import DTYPE_BITS
 from ..plan.layout import Role
 from ..plan.mesh import MeshSpec
 from ..plan.placement import Kind, Placement
-from .entries import CoordEntry, FileEntry, TensorInfo
+from .entries import CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo
 from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, REMEDY, reject, show
 from .members import plain_name_problem
 
@@ -97,7 +97,10 @@ def _tensors(data: dict) -> tuple[dict[str, TensorInfo], tuple[str, ...]]:
                    else f"a dim of its {len(shape)}-dim shape {shape} (0 to {len(shape) - 1})")
         degree = _get(p, "degree", f"{where}.placement", _positive, "a positive integer")
         ep = _get(p, "ep", f"{where}.placement", _positive, "a positive integer")
-        tensors[name] = TensorInfo(name, tuple(shape), dtype, role, is_param, Placement(kind, dim, degree, ep))
+        dequantized = _get(info, "dequantized_from", where, lambda v: v is None or _dict(v), "an object",
+                           optional=True)
+        tensors[name] = TensorInfo(name, tuple(shape), dtype, role, is_param, Placement(kind, dim, degree, ep),
+                                   None if dequantized is None else MappingProxyType(dequantized))
     if not all(isinstance(n, str) for n in order) or len(set(order)) != len(order) or set(order) != set(tensors):
         reject("order", order, "it must name every tensor of `tensors` exactly once")
     return tensors, tuple(order)
@@ -190,40 +193,48 @@ def _copied(data: dict) -> tuple[str, ...]:
     return tuple(copied)
 
 
-def _source(data: dict) -> None:
+def _source(data: dict) -> SourceRecord:
     source = _get(data, "source", "", _dict, "an object (source, model_type, architecture, ...)")
-    _get(source, "source", "source", _str, "the source the folder was written from")
-    for name in ("model_type", "architecture"):
-        _get(source, name, "source", _str_or_none, "a string or null")
+    name = _get(source, "source", "source", _str, "the source the folder was written from")
+    model_type, architecture = (_get(source, key, "source", _str_or_none, "a string or null")
+                                for key in ("model_type", "architecture"))
+    revision = _get(source, "revision", "source", _str_or_none, "a string or null", optional=True)
+    digests = _get(source, "header_sha256", "source", lambda v: _dict(v) and all(map(_str, v.values())),
+                   "an object of file name to digest", optional=True, default={})
+    quantization = _get(source, "quantization_config", "source", _dict, "an object", optional=True)
     record = _get(data, "source_layout", "", lambda v: v is None or _dict(v), "an object or null",
                   optional=True)
     if record is not None:
         _get(record, "tensors", "source_layout", lambda v: _dict(v) and all(
             isinstance(p, list) and all(isinstance(t, str) for t in p) for p in v.values()),
             "an object of lists of on-disk key records", optional=True)
+    return SourceRecord(name, revision, model_type, architecture, MappingProxyType(dict(digests)),
+                        None if quantization is None else MappingProxyType(quantization))
 
 
 def _crc_text(value) -> bool:
     return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
 
 
-def _extras(data: dict, files: tuple[FileEntry, ...]) -> None:
-    """The optional `extras` section (files of tensors the model does not load) and `dropped_unloaded` count."""
+def _extras(data: dict, files: tuple[FileEntry, ...]) -> tuple[ExtrasEntry, ...]:
+    """The optional `extras` section (files of tensors the model does not load)."""
     raw = _get(data, "extras", "", _list, "the list of extras files", optional=True, default=[])
     taken = {f.name for f in files} | {MANIFEST_NAME}
     keys: set[str] = set()
+    entries = []
     for i, entry in enumerate(raw):
         where = f"extras[{i}]"
-        _file_name(entry, where, "an extras entry", taken, "each file is listed once: not a rank file, another "
-                                                          "extras file or the manifest")
-        _get(entry, "bytes", where, _natural, "a size in bytes >= 0")
-        _get(entry, "crc32", where, _crc_text, "8 lowercase hex digits")
+        name = _file_name(entry, where, "an extras entry", taken, "each file is listed once: not a rank file, another "
+                                                                 "extras file or the manifest")
+        size = _get(entry, "bytes", where, _natural, "a size in bytes >= 0")
+        crc = _get(entry, "crc32", where, _crc_text, "8 lowercase hex digits")
         names = _get(entry, "keys", where, lambda v: _list(v) and v and all(isinstance(k, str) and k for k in v),
                      "a non-empty list of tensor names")
         if repeated := sorted(keys.intersection(names)):
             reject(f"{where}.keys", repeated[:3], "each extra tensor is listed once")
         keys.update(names)
-    _get(data, "dropped_unloaded", "", _natural, "a count >= 0", optional=True)
+        entries.append(ExtrasEntry(name, size, crc, tuple(names)))
+    return tuple(entries)
 
 
 def _sizes_fit(tensors: dict[str, TensorInfo], files: tuple[FileEntry, ...]) -> None:
@@ -238,7 +249,7 @@ def _sizes_fit(tensors: dict[str, TensorInfo], files: tuple[FileEntry, ...]) -> 
 
 
 def validate_manifest(data) -> dict:
-    """Check a manifest document before anything uses it; the checked sections, typed.
+    """Check a manifest document before anything uses it; the checked sections, typed (the fields of `Manifest`).
 
     Checks types and required keys; mesh sizes positive and agreeing with the coordinates listed; every file entry's
     coordinate, run of `order` and name (a plain name inside the folder); placement kinds and dims valid for the
@@ -246,7 +257,8 @@ def validate_manifest(data) -> dict:
     the files. O(size of the document). Unknown keys are tolerated.
 
     Returns:
-        `mesh`, `order`, `tensors`, `files`, `coords`, `copied`: the fields of `Manifest`.
+        `mesh`, `order`, `tensors`, `files`, `coords`, `copied`, `source`, `layout`, `extras`, `dropped_unloaded`,
+        `tool`: the fields of `Manifest`.
 
     Raises:
         ManifestError: the first problem, naming the key and its value.
@@ -267,8 +279,10 @@ def validate_manifest(data) -> dict:
     coords = _coords(data, mesh, files)
     _placements_fit(tensors, mesh)
     _sizes_fit(tensors, files)
-    _source(data)
-    _extras(data, files)
+    layout = _get(data, "layout", "", lambda v: v in ("balanced", "stock"), "balanced or stock", optional=True,
+                  default="balanced")
     # (a new optional section: parse it here, after the sections it refers to)
     return {"mesh": mesh, "order": order, "tensors": MappingProxyType(tensors), "files": files, "coords": coords,
-            "copied": _copied(data)}
+            "copied": _copied(data), "source": _source(data), "layout": layout, "extras": _extras(data, files),
+            "dropped_unloaded": _get(data, "dropped_unloaded", "", _natural, "a count >= 0", optional=True, default=0),
+            "tool": _get(data, "tool", "", _str, "a string", optional=True, default="")}

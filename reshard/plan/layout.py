@@ -20,6 +20,18 @@ class Role(str, Enum):
     DENSE = "dense"  # everything else
 
 
+class MergeLayout(str, Enum):
+    """How `merge` names the tensors it writes (`--layout`); `describe` says it for `--help`. Merge, verify and the
+    CLI's choices all take this value."""
+
+    ORIGINAL = "original"  # the source checkpoint's on-disk keys and shapes (per-expert keys split back out)
+    FUSED = "fused"  # the model's in-memory names, each tensor whole
+
+    def describe(self) -> str:
+        return {MergeLayout.ORIGINAL: "the source's on-disk keys and shapes (per-expert keys split back out)",
+                MergeLayout.FUSED: "the model's in-memory names"}[self]
+
+
 @dataclass(frozen=True)
 class Piece:
     """One on-disk tensor placed inside an in-memory tensor.

@@ -1,8 +1,8 @@
-"""Read a checkpoint's metadata: `config.json`, the safetensors index and every file's header, never tensor data.
+"""A checkpoint's metadata: `config.json`, the safetensors index and every file's header, never tensor data.
 
-A source is a local folder, a single `.safetensors` file, or a Hub repo id (`org/name`). Hub sources go through
-huggingface-hub, so its cache and `HF_HUB_OFFLINE` are honoured; headers of files that are not cached are fetched
-with HTTP range requests (`HfApi.get_safetensors_metadata`), so planning a 665 GiB checkpoint downloads kilobytes.
+Everything is read from the source's `Store` (`reshard.read.store`: a local folder, a cache snapshot, the Hub or S3),
+so a header costs one or two small requests wherever the files are: planning a 665 GiB checkpoint reads kilobytes.
+Which kind of source a path or URL is, and which store serves it, is decided once, in `reshard.read.source`.
 """
 
 from __future__ import annotations
@@ -10,16 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..errors import CheckpointError
 from ..plan.dtypes import DTYPE_BITS
-from .regular import json_document, open_regular, read_regular_text
+from .store import HEADER_PROBE
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -30,7 +28,6 @@ MAX_HEADER_BYTES = 100_000_000
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8",
                      "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 # Non-weight files `write` copies (and fetches from the Hub): config, generation config, tokenizer and chat-template
 # files, docs and licence, at the top level only. Anything else could be a second copy of the weights: a `git clone`
@@ -39,8 +36,6 @@ METADATA_PATTERNS = ("*.json", "*.txt", "*.model", "*.py", "*.jinja", "*.md", "*
                      "merges*", "LICENSE*", "LICENCE*", "NOTICE*")
 NEVER_COPIED = (".*", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack", "*.onnx",
                 "consolidated.*", "*.index.json")  # an index would name weight files OUT does not hold
-# Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
-HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
 
 
 @dataclass(frozen=True)
@@ -87,21 +82,21 @@ class CheckpointIndex:
     """Everything `plan` needs to know about a checkpoint, read from metadata only.
 
     Attributes:
-        source: what the user passed (a path or a repo id).
-        revision: the Hub revision, or None for local sources.
-        root: the local folder holding the files, or None when only remote headers were read.
+        source: what the user passed (a path, a repo id, a URL).
+        revision: the Hub revision, or None for other sources.
+        store: where the files are (`reshard.read.store`): every byte of the source is read through it.
         config: the parsed `config.json` (empty for a bare `.safetensors` file).
         files: the headers, in file-name order.
         tensors: every tensor by on-disk key.
         other_files: top-level non-weight files to copy as they are (config, tokenizer, ...; see
-            `METADATA_PATTERNS`), relative to root.
+            `METADATA_PATTERNS`).
         quantization: set on the bf16 view of a quantized checkpoint (`reshard.read.quant.dequantized_view`): which of
             `tensors` are computed from quantized pairs. None for a checkpoint read as it is.
     """
 
     source: str
     revision: str | None
-    root: Path | None
+    store: object  # reshard.read.store.Store
     config: dict
     files: tuple[FileHeader, ...]
     tensors: dict[str, TensorEntry] = field(repr=False)
@@ -112,6 +107,16 @@ class CheckpointIndex:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    @property
+    def crc32(self) -> dict[str, str] | None:
+        """File name -> the CRC-32 the source records for it (a reshard folder's manifest); None: nothing recorded."""
+        return None
+
+    @property
+    def root(self) -> Path | None:
+        """The local folder of the files, or None when they are not on this machine."""
+        return getattr(self.store, "root", None)
+
     def on_disk_layout(self, layout) -> dict | None:
         """Per in-memory tensor of `layout` (a `ModelLayout` of this checkpoint), the on-disk keys that make it, each
         as (key, offset, stacked dim, shape): what the manifest records for `merge --layout original`. A source that
@@ -120,13 +125,26 @@ class CheckpointIndex:
                 for t in layout.tensors}
 
     def path_of(self, file: str) -> Path:
-        if self.root is None:
-            raise CheckpointError(
-                f"{self.source}: only the headers are available (the files are not downloaded). Run "
-                f"`hf download {self.source}` first, or pass a local folder.",
-                path=self.source,
-            )
-        return self.root / file
+        """The local path of source file `file`: a file copied inside the kernel needs one."""
+        path = self.store.local_path(file)
+        if path is None:
+            raise CheckpointError(f"{self.store.url(file)} is not on this machine.", path=self.source)
+        return path
+
+
+def json_document(raw, what: str, remedy: str, *, path: str):
+    """`json.loads(raw)`, every failure a `CheckpointError` saying `what` is wrong and `remedy`.
+
+    Nesting is bounded by the parser's own recursion limit: a header nested 200,000 deep (a safetensors header is 3
+    deep) is refused with this error, not a `RecursionError` traceback.
+    """
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{what} is not valid JSON ({e}); {remedy}.", path=path) from e
+    except RecursionError as e:
+        raise CheckpointError(f"{what} is JSON nested deeper than reshard reads (a safetensors header or config is "
+                              f"nested a few levels); {remedy}.", path=path) from e
 
 
 def torch_dtype(code: str):
@@ -209,30 +227,50 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
     return FileHeader(file, file_size, data_start, dict(metadata), tuple(entries), hashlib.sha256(raw).hexdigest())
 
 
-def read_header(path: Path, *, name: str | None = None) -> FileHeader:
-    """Read and validate the header of a local safetensors file (at most `MAX_HEADER_BYTES` are read)."""
-    name = name or path.name
+def header_of(store, name: str) -> FileHeader:
+    """Read and validate the header of safetensors file `name` of `store`: at most two requests. Remote, the first
+    `HEADER_PROBE` bytes hold the length prefix and almost always the whole header (a longer header takes one more);
+    local, the prefix and then exactly the header, never a byte of data.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, not safetensors, or its header is malformed.
+    """
+    where = store.url(name)
     try:
-        size = path.stat().st_size
-        with open_regular(path, name) as f:  # unbuffered: read the header and not a byte of data
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{name}: the file has {size} bytes, too few for a safetensors header; it is "
-                                      "truncated or not a safetensors file.", path=str(path))
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{name}: the header length prefix says {length} bytes, over the "
-                                      f"{MAX_HEADER_BYTES}-byte cap safetensors allows; it is corrupt or not a "
-                                      "safetensors file.", path=str(path))
-            if 8 + length > size:
-                raise CheckpointError(f"{name}: the header length prefix says {length} bytes but the file has {size}; "
-                                      "it is truncated or not a safetensors file.", path=str(path))
-            raw = f.read(length)
-            while len(raw) < length and (more := f.read(length - len(raw))):
-                raw += more
+        size = store.size(name)
+        if size < 8:
+            raise CheckpointError(f"{name}: the file has {size} bytes, too few for a safetensors header; it is "
+                                  "truncated or not a safetensors file.", path=where)
+        head = store.read(name, 0, min(size, HEADER_PROBE if store.remote else 8))  # local: never a byte of data
+        (length,) = struct.unpack("<Q", head[:8])
+        if length > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{name}: the header length prefix says {length} bytes, over the {MAX_HEADER_BYTES}"
+                                  "-byte cap safetensors allows; it is corrupt or not a safetensors file.", path=where)
+        if 8 + length > size:
+            raise CheckpointError(f"{name}: the header length prefix says {length} bytes but the file has {size}; it "
+                                  "is truncated or not a safetensors file.", path=where)
+        raw = head[8:8 + length]
+        if len(raw) < length:
+            raw += store.read(name, len(head), length - len(raw))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{name}: missing ({where}). Copy or download it again.", path=where) from e
     except OSError as e:
-        raise CheckpointError(f"{name}: cannot read ({e.strerror or e}).", path=str(path)) from e
+        raise CheckpointError(f"{name}: cannot read ({e.strerror or e}).", path=where) from e
     return parse_header(raw, file=name, file_size=size)
+
+
+def read_header(path: Path, *, name: str | None = None) -> FileHeader:
+    """`header_of` for one local file (links followed: the caller decided the file is to be read)."""
+    from .store import LocalStore
+
+    path = Path(path)
+    store = LocalStore(path.parent, links_anywhere=True)
+    try:
+        header = header_of(store, path.name)
+    finally:
+        store.close()
+    return header if name is None or name == path.name else replace(header, name=name, tensors=tuple(
+        replace(t, file=name) for t in header.tensors))
 
 
 def is_metadata_file(name: str) -> bool:
@@ -241,60 +279,56 @@ def is_metadata_file(name: str) -> bool:
             and not any(fnmatchcase(name, p) for p in NEVER_COPIED))
 
 
-def _inside(root: Path, path: Path) -> bool:
-    try:
-        path.resolve().relative_to(root.resolve())
-    except ValueError:
-        return False
-    return True
+MAX_METADATA_BYTES = 64 << 20  # an index, a config: far above any real one
 
 
-def _checked_file_names(root: Path, index_path: Path, link_root: Path) -> tuple[list[str], dict[str, str]]:
-    """Validate `model.safetensors.index.json` before trusting any name in it (links must stay in `link_root`)."""
-    try:
-        index = json_document(read_regular_text(index_path, index_path.name),
-                              f"{index_path.name}: not a valid safetensors index: it", "download or copy it again",
-                              path=str(index_path))
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index_path.name}: not a valid safetensors index ({e}).", path=str(index_path)) from e
+def weight_names(store, where: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of a checkpoint: those its index names (validated before any name in it is trusted),
+    or, without an index, the top-level `*.safetensors` (not `shard-*` rank files, not `consolidated.*`)."""
+    names = store.names()
+    if INDEX_NAME not in names:
+        # `consolidated.safetensors` (Mistral's own format) repeats the weights under other names
+        return [n for n in names if n.endswith(".safetensors") and not n.startswith(("shard-", "consolidated."))], None
+    index = json_document(store.read_all(INDEX_NAME, MAX_METADATA_BYTES, "safetensors index"),
+                          f"{INDEX_NAME}: not a valid safetensors index: it", "download or copy it again", path=where)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{INDEX_NAME}: not a valid safetensors index (no weight_map object).", path=where)
     first_key: dict = {}
     for key, name in weight_map.items():
         if not isinstance(name, str):
-            raise CheckpointError(f"{index_path.name}: entry {key!r} -> {name!r}: not a file name.",
-                                  path=str(index_path))
+            raise CheckpointError(f"{INDEX_NAME}: entry {key!r} -> {name!r}: not a file name.", path=where)
         first_key.setdefault(name, key)
     for name, key in first_key.items():  # each file once: an index lists ~500 keys per file
-        where = f"{index_path.name}: entry {key!r} -> {name!r}"
+        entry = f"{INDEX_NAME}: entry {key!r} -> {name!r}"
         if not name.endswith(".safetensors"):
-            raise CheckpointError(f"{where}: only .safetensors files are supported (convert .bin checkpoints with "
-                                  "transformers' save_pretrained first).", path=str(index_path))
-        if os.path.isabs(name) or ".." in Path(name).parts:
-            raise CheckpointError(f"{where}: the path leaves the checkpoint folder; refusing it. Fix the index.",
-                                  path=str(index_path))
-        if not (root / name).exists():
-            raise CheckpointError(f"{where}: the file does not exist. Download or copy the missing shard.",
-                                  path=str(root / name))
-        if not _inside(link_root, root / name):
-            raise CheckpointError(f"{where}: the file is a link out of the checkpoint folder; refusing it.",
-                                  path=str(root / name))
-    return sorted(set(weight_map.values())), weight_map
+            raise CheckpointError(f"{entry}: only .safetensors files are supported (convert .bin checkpoints with "
+                                  "transformers' save_pretrained first).", path=where)
+        if name.startswith("/") or ".." in PurePosixPath(name).parts:
+            raise CheckpointError(f"{entry}: the path leaves the checkpoint folder; refusing it. Fix the index.",
+                                  path=where)
+        try:
+            exists = store.exists(name)
+        except CheckpointError as e:  # a link out of the folder, a FIFO: say which entry of the index names it
+            raise CheckpointError(f"{entry}: {e}", path=store.url(name)) from e
+        if not exists:
+            raise CheckpointError(f"{entry}: the file does not exist. Download or copy the missing shard.",
+                                  path=store.url(name))
+    return sorted(first_key), weight_map
 
 
-def read_config(root: Path) -> dict:
-    """`root/config.json` as a dict ({} when there is none)."""
-    path = root / "config.json"
-    if not path.exists():
+def read_config(store) -> dict:
+    """`config.json` of `store` as a dict ({} when there is none)."""
+    if "config.json" not in store.names():
         return {}
+    where = store.url("config.json")
     try:
-        text = read_regular_text(path, "config.json")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"config.json: cannot be read ({e}).", path=str(path)) from e
-    config = json_document(text, "config.json", "fix or replace it", path=str(path))
+        text = store.read_all("config.json", MAX_METADATA_BYTES, "config.json")
+    except OSError as e:
+        raise CheckpointError(f"config.json: cannot be read ({e}).", path=where) from e
+    config = json_document(text, "config.json", "fix or replace it", path=where)
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: config.json is not a JSON object.", path=str(path))
+        raise CheckpointError(f"{where}: config.json is not a JSON object.", path=where)
     return config
 
 
@@ -314,164 +348,48 @@ def _index_tensors(files: list[FileHeader], weight_map: dict[str, str] | None, w
     return tensors
 
 
-def read_local(path: Path, *, source: str | None = None, revision: str | None = None,
-               link_root: Path | None = None) -> CheckpointIndex:
-    """Read a local folder (with or without an index) or a single `.safetensors` file.
+def headers_of(store, names: list[str]) -> list[FileHeader]:
+    """Every named file's header, in order; a remote store's are fetched 8 at a time (each takes one or two
+    requests, and a 700 GB checkpoint has about a hundred files)."""
+    if not store.remote:
+        return [header_of(store, name) for name in names]
+    from concurrent.futures import ThreadPoolExecutor
 
-    Weight files that are links must resolve inside `link_root` (default: the folder itself; a Hub cache snapshot
-    links into its repo's `blobs/`).
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="reshard-headers") as pool:
+        return list(pool.map(lambda name: header_of(store, name), names))
+
+
+def checkpoint_index(store, *, source: str, revision: str | None = None, only: str | None = None) -> CheckpointIndex:
+    """The `CheckpointIndex` of a checkpoint in `store` (a folder with or without an index): headers, config and the
+    files a write copies, read from metadata only. `only`: the one `.safetensors` file given instead of a folder
+    (nothing beside it is copied).
+
+    Raises:
+        CheckpointError: no weight files, an index that lies or leaves the folder, a malformed header, a special
+            file among the metadata files.
     """
-    path = Path(path)
-    source = source or str(path)
-    link_root = Path(link_root) if link_root is not None else path
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise CheckpointError(f"{path}: not a .safetensors file.", path=str(path))
-        header = read_header(path)
-        return CheckpointIndex(source, revision, path.parent, read_config(path.parent), (header,),
-                               _index_tensors([header], None, str(path)))
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such file or folder. Pass a checkpoint folder, a .safetensors file or a "
-                              "Hub repo id (org/name).", path=str(path))
-    index_path = path / INDEX_NAME
-    weight_map = None
-    if index_path.exists():
-        names, weight_map = _checked_file_names(path, index_path, link_root)
-    else:
-        # `consolidated.safetensors` (Mistral's own format) repeats the weights under other names
-        names = sorted(p.name for p in path.glob("*.safetensors")
-                       if not p.name.startswith(("shard-", "consolidated.")))
-        for name in names:
-            if not _inside(link_root, path / name):
-                raise CheckpointError(f"{name}: the file is a link out of the checkpoint folder; refusing it.",
-                                      path=str(path / name))
+    names, weight_map = ([only], None) if only is not None else weight_names(store, source)
     if not names:
-        raise CheckpointError(f"{path}: no .safetensors files and no {INDEX_NAME}. Is this a checkpoint folder?",
-                              path=str(path))
-    headers = [read_header(path / name, name=name) for name in names]
-    weight_names = set(names)
-    others = copied_files(path, weight_names, link_root)
-    return CheckpointIndex(source, revision, path, read_config(path), tuple(headers),
-                           _index_tensors(headers, weight_map, str(path)), others)
+        raise CheckpointError(f"{source}: no .safetensors files and no {INDEX_NAME}. Pass a checkpoint folder, a "
+                              "Hugging Face cache snapshot, a Hub repo id, an s3:// URL, a reshard folder or a folder "
+                              "saved with save_pretrained(..., distributed_checkpoint=True).", path=source)
+    headers = headers_of(store, names)
+    return CheckpointIndex(source, revision, store, read_config(store), tuple(headers),
+                           _index_tensors(headers, weight_map, source),
+                           () if only is not None else copied_files(store, set(names)))
 
 
-def copied_files(path: Path, skip: set[str], link_root: Path | None = None) -> tuple[str, ...]:
-    """The top-level non-weight files of `path` a write copies as they are (config, tokenizer, ...), sorted.
+def copied_files(store, skip: set[str]) -> tuple[str, ...]:
+    """The top-level non-weight files of `store` a write copies as they are (config, tokenizer, ...), sorted.
 
-    The rule weights follow holds for them too: a file that is a link must resolve inside `link_root` (default the
-    folder), or the write would copy a file from outside the source into OUT.
+    Each is checked as a source's files are (a link must stay inside the folder, a FIFO or a device is refused and
+    named), so no file is dropped or read from outside the source in silence.
 
     Raises:
-        CheckpointError: such a file is a link out of the folder (nothing was read or changed).
+        CheckpointError: such a file is a link out of the folder or not a regular file (nothing was read or changed).
     """
-    names = sorted(p.name for p in path.iterdir() if p.name not in skip and is_metadata_file(p.name) and p.is_file())
+    names = tuple(n for n in store.names() if n not in skip and is_metadata_file(n))
     for name in names:
-        if not _inside(link_root or path, path / name):
-            raise CheckpointError(f"{name}: a link out of the checkpoint folder (to {(path / name).resolve()}); "
-                                  "reshard copies only files inside it. Copy the file in, or remove the link. "
-                                  "Nothing was read or changed.", path=str(path / name))
-    return tuple(names)
-
-
-def looks_like_repo_id(source: str) -> bool:
-    return bool(_REPO_ID.match(source)) and not os.path.exists(source)
-
-
-def read_checkpoint(source: str | os.PathLike, *, revision: str | None = None, need_data: bool = False) -> CheckpointIndex:
-    """Read a checkpoint's metadata from a local path or a Hub repo id.
-
-    Args:
-        source: a folder, a `.safetensors` file, or `org/name` on the Hub.
-        revision: a Hub branch, tag or commit (Hub sources only).
-        need_data: also download the tensor files (for `write`); `plan` reads headers only.
-
-    Returns:
-        A `CheckpointIndex`.
-
-    Raises:
-        CheckpointError: the source is missing, unreachable (offline and not cached), or malformed.
-
-    Example:
-        >>> index = read_checkpoint("Qwen/Qwen3-30B-A3B")  # doctest: +SKIP
-        >>> index.config["model_type"]  # doctest: +SKIP
-        'qwen3_moe'
-    """
-    source = os.fspath(source)
-    if not looks_like_repo_id(source):
-        return read_local(Path(source), revision=revision)
-    return _read_hub(source, revision=revision, need_data=need_data)
-
-
-def _read_hub(repo_id: str, *, revision: str | None, need_data: bool) -> CheckpointIndex:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    try:
-        # the metadata first (the index among it), then only the weight files the index names: never a repo's
-        # `original/`, `*.pth` or `consolidated.*` copies of the same weights
-        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(METADATA_PATTERNS),
-                                      ignore_patterns=list(HUB_IGNORE)))
-        if need_data:
-            weights = _hub_weight_names(root)
-            pinned = root.name if root.parent.name == "snapshots" else revision  # the commit the index came from
-            ignore = [p for p in HUB_IGNORE if p != "*/*" or not any("/" in w for w in weights)]
-            root = Path(snapshot_download(repo_id, revision=pinned, allow_patterns=[*METADATA_PATTERNS, *weights],
-                                          ignore_patterns=ignore))
-    except (LocalEntryNotFoundError, FileNotFoundError) as e:
-        # huggingface_hub refuses a partly cached snapshot the same way as a missing one
-        hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache (or only some of the files it needs are)"
-                if offline else "it could not be reached and is not in the local cache")
-        raise CheckpointError(f"{repo_id}: no local folder of that name, and as a Hub repo id {hint}. Check the "
-                              f"path, download it once with network access (`hf download {repo_id}`), or pass a "
-                              "local folder.", path=repo_id) from e
-    except (RepositoryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
-                              "or pass a local folder.", path=repo_id) from e
-    cached = list(root.glob("*.safetensors"))
-    if need_data and not cached:
-        why = ("HF_HUB_OFFLINE is set, so only what is already cached can be used" if offline
-               else "the repo may hold no safetensors weights")
-        raise CheckpointError(f"{repo_id}: the snapshot at {root} holds no .safetensors files ({why}). Download "
-                              f"them with `hf download {repo_id}`, or pass a local folder.", path=repo_id)
-    if need_data or cached:
-        # the cache's snapshots/<commit>/ files are links to ../../blobs/: allow links inside the repo's cache folder
-        link_root = root.parents[1] if root.parent.name == "snapshots" else root
-        return read_local(root, source=repo_id, revision=revision, link_root=link_root)
-    return _read_remote_headers(repo_id, revision, root)
-
-
-def _hub_weight_names(root: Path) -> list[str]:
-    """The weight files a Hub snapshot needs: those its index names, or the top-level `*.safetensors` without one.
-
-    An invalid index yields no names; `read_local` then reports it.
-    """
-    if not (root / INDEX_NAME).exists():
-        return ["*.safetensors"]
-    try:
-        weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-        names = {name for name in weight_map.values() if isinstance(name, str)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []
-    return sorted(re.sub(r"([*?[])", r"[\1]", name) for name in names)  # exact names, not patterns
-
-
-def _read_remote_headers(repo_id: str, revision: str | None, root: Path) -> CheckpointIndex:
-    """Headers of Hub files not in the cache, fetched with range requests (no tensor data)."""
-    from huggingface_hub import HfApi
-
-    try:
-        meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
-    except Exception as e:  # huggingface-hub raises several unrelated types here
-        raise CheckpointError(f"{repo_id}: cannot read the safetensors headers from the Hub ({e}).",
-                              path=repo_id) from e
-    headers = []
-    for name, file_meta in sorted(meta.files_metadata.items()):
-        entries = []
-        for key, info in file_meta.tensors.items():
-            check_dtype(info.dtype, file=name, name=key)
-            begin, _ = info.data_offsets
-            entries.append(TensorEntry(key, name, info.dtype, tuple(info.shape), begin))
-        headers.append(FileHeader(name, None, 0, dict(file_meta.metadata or {}), tuple(entries), ""))
-    return CheckpointIndex(repo_id, revision, None, read_config(root), tuple(headers),
-                           _index_tensors(headers, None, repo_id))
+        store.check_inside(name)  # a link out of the folder
+        store.size(name)  # a FIFO, a device
+    return names

@@ -8,7 +8,7 @@ tensor under its in-memory name at its `saved_offsets`):
   `shard-RRRRR-model-00001-of-00001.safetensors` files from any mesh; `config.json` says which model it is (its
   meta model gives every tensor's global shape, role and whether it is a parameter).
 
-`read_dcp_source` turns either into the two things the byte-run machinery needs: a `CheckpointIndex` whose tensors
+`read_dcp_source` (which `reshard.read.source.open_source` calls for these kinds) turns either into the two things the byte-run machinery needs: a `CheckpointIndex` whose tensors
 are the input chunks (one `TensorEntry` each, under a unique synthetic key), and a `ModelLayout` whose tensors are
 the in-memory tensors, each with one `Piece` per non-empty chunk at its global offset. `write_shards` then writes
 any mesh from it, and `reshard.write.merge` any HF layout, both by copying byte runs. Coverage is checked first,
@@ -25,16 +25,14 @@ to offsets with the same forward machinery `write` uses.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, read_config, read_header
 from ..errors import CheckpointError
+from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
+                        read_manifest, region_text, tied_from_record)
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, whole_tensor
-from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, check_member, coverage_problem,
-                        header_problems, read_manifest, recorded_source_layout, region_text, tied_from_record)
+from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, header_of, read_config
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 RESHARD, SAVED = "reshard", "saved"
@@ -51,7 +49,8 @@ class DcpIndex(CheckpointIndex):
         original_error: why `original` is None.
         tied: in-memory tensors that are tied to another one and are not written into a merged checkpoint.
         crc32: file name -> the CRC-32 its manifest records (a reshard folder); None for a saved folder, which
-            records none (`reshard.runs.source_check` checks the files a write reads against it).
+            records none (the engine checks the files a write reads against it).
+        manifest: a reshard folder's manifest (`reshard.manifest.Manifest`), None for a saved folder.
     """
 
     kind: str = SAVED
@@ -59,53 +58,39 @@ class DcpIndex(CheckpointIndex):
     original_error: str | None = None
     tied: tuple[str, ...] = ()
     crc32: dict | None = None
+    manifest: object = None
 
     def on_disk_layout(self, layout: ModelLayout) -> dict | None:
         """What this folder knows of its source's on-disk layout (`original`): its chunks' keys are not it."""
         return self.original
 
 
-def dcp_kind(source) -> str | None:
-    """`reshard`, `saved`, or None when `source` is not a local folder in the distributed-checkpoint layout."""
-    path = Path(os.fspath(source))
-    if not path.is_dir():
-        return None
-    if (path / MANIFEST_NAME).is_file():
-        return RESHARD
-    if any(SAVED_FILE.match(p.name) for p in path.iterdir()):
-        return SAVED
-    return None
-
-
-def read_dcp_source(source) -> tuple[DcpIndex, ModelLayout]:
+def read_dcp_source(location) -> tuple[DcpIndex, ModelLayout]:
     """Read a reshard folder or a `save_pretrained(..., distributed_checkpoint=True)` folder as a source.
 
     Args:
-        source: the folder.
+        location: where the folder is (`reshard.read.source.Location`, of kind reshard or saved), or the folder.
 
     Returns:
         (the chunk index, the in-memory layout whose pieces are the chunks).
 
     Raises:
-        CheckpointError: the folder is neither kind; a file is missing, truncated or holds what it should not; a
-            tensor's chunks overlap, leave a gap, or have mixed dtypes (each named with the region or the files).
+        CheckpointError: a file is missing, truncated or holds what it should not; a tensor's chunks overlap, leave
+            a gap, or have mixed dtypes (each named with the region or the files).
         ArchitectureError: a saved folder's model type is unknown to transformers.
     """
-    path = Path(os.fspath(source))
-    kind = dcp_kind(path)
-    if kind == RESHARD:
-        return _read_reshard_folder(path)
-    if kind == SAVED:
-        return _read_saved_folder(path)
-    what = ("no such folder" if not path.is_dir()
-            else "no reshard.json and no shard-RRRRR-model-PPPPP-of-NNNNN.safetensors")
-    raise CheckpointError(f"{path}: {what}. This is neither a reshard folder (`reshard write`) nor a folder saved by "
-                          "transformers' save_pretrained(..., distributed_checkpoint=True); pass one of those. Nothing "
-                          "was written.", path=str(path))
+    if not hasattr(location, "store"):
+        from .source import locate
 
-
-def _other_files(path: Path, weights: set[str]) -> tuple[str, ...]:
-    return copied_files(path, {*weights, MANIFEST_NAME})  # links out of the folder refused, as for any source
+        location = locate(location)
+    if location.kind.value == RESHARD:
+        return _read_reshard_folder(location.store, location.spec)
+    if location.kind.value == SAVED:
+        return _read_saved_folder(location.store, location.spec)
+    raise CheckpointError(f"{location.spec}: no reshard.json and no shard-RRRRR-model-PPPPP-of-NNNNN.safetensors. This "
+                          "is neither a reshard folder (`reshard write`) nor a folder saved by transformers' "
+                          "save_pretrained(..., distributed_checkpoint=True); pass one of those. Nothing was written.",
+                          path=location.spec)
 
 
 def _chunk_key(file: str, name: str) -> str:
@@ -114,86 +99,83 @@ def _chunk_key(file: str, name: str) -> str:
 
 # ---- a reshard folder ------------------------------------------------------------------------------------------
 
-def _read_reshard_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
-    manifest = read_manifest(path)
-    data = manifest.data
+def _checked_header(store, entry, spec: str, manifest, holds: str) -> FileHeader:
+    """File `entry` of a reshard folder: present, of its recorded size, its header what the manifest derives."""
+    where = store.url(entry.name)
+    if not store.exists(entry.name):
+        raise CheckpointError(f"{where}: missing ({holds}); the folder is incomplete. Copy the file back, or write "
+                              "the folder again. Nothing was written.", path=where)
+    header = header_of(store, entry.name)  # a FIFO or a device: refused before it is opened
+    if header.size != entry.bytes:
+        raise CheckpointError(f"{where}: {header.size} bytes, the manifest says {entry.bytes}; the file is "
+                              "truncated or replaced. Copy it again. Nothing was written.", path=where)
+    if manifest is not None and (problems := header_problems(entry, manifest.chunks(entry), header)):
+        raise CheckpointError(f"{where}: its header does not match reshard.json ({'; '.join(problems[:3])}). "
+                              "Nothing was written.", path=where)
+    return header
+
+
+def _read_reshard_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
+    manifest = read_manifest(store)  # a ManifestError names the key and the value
     headers: list[FileHeader] = []
-    chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...]]]] = {name: [] for name in data["order"]}
+    chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...]]]] = {name: [] for name in manifest.order}
     for entry in manifest.files:
-        file = path / entry.name
-        ranks = list(manifest.coords[entry.coord].ranks)
-        if not os.path.exists(file):
-            raise CheckpointError(f"{file}: missing (the file of rank(s) {ranks}); the folder is incomplete. Copy the "
-                                  "file back, or write the folder again. Nothing was written.", path=str(file))
-        check_member(path, entry.name)  # a FIFO or a device: refused before it is opened
-        header = read_header(file)
-        if header.size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {header.size} bytes, the manifest says {entry['bytes']}; the file is "
-                                  "truncated or replaced. Copy it again. Nothing was written.", path=str(file))
-        expected = manifest.chunks(entry)
-        problems = header_problems(entry, expected, header)
-        if problems:
-            raise CheckpointError(f"{file}: its header does not match reshard.json ({'; '.join(problems[:3])}). "
-                                  "Nothing was written.", path=str(file))
+        holds = f"the file of rank(s) {list(manifest.coords[entry.coord].ranks)}"
+        header = _checked_header(store, entry, spec, manifest, holds)
         headers.append(header)
         by_name = {t.name: t for t in header.tensors}
-        for chunk in expected:
+        for chunk in manifest.chunks(entry):
             chunks[chunk.name].append((by_name[chunk.name], chunk.offsets))
     tensors, entries = [], {}
-    for name in data["order"]:
-        info = data["tensors"][name]
-        target = _place(name, tuple(info["shape"]), chunks[name], entries, str(path), dtype=info["dtype"])
-        tensors.append(TargetTensor(name, target[0], target[1], Role(info["role"]), info["is_param"], target[2]))
-    source = data["source"]
-    extra_headers, extras, extra_crc32 = _recorded_extras(path, data, entries)
+    for name in manifest.order:
+        info = manifest.tensors[name]
+        target = _place(name, info.shape, chunks[name], entries, spec, dtype=info.dtype)
+        tensors.append(TargetTensor(name, target[0], target[1], Role(info.role), info.is_param, target[2]))
+    extra_headers, extras = _recorded_extras(store, manifest, entries, spec)
     headers += extra_headers
-    layout = ModelLayout(source["model_type"], source["architecture"], tuple(tensors),
+    layout = ModelLayout(manifest.source.model_type, manifest.source.architecture, tuple(tensors),
                          tuple(t.name for t in extras), extras=extras)
-    original, error = recorded_source_layout(data)
-    index = DcpIndex(str(path), None, path, read_config(path), tuple(headers), entries,
-                     _other_files(path, {h.name for h in headers}), kind=RESHARD, original=original,
-                     original_error=error, tied=tied_from_record(original),
-                     crc32={**{entry["name"]: entry["crc32"] for entry in data["files"]}, **extra_crc32})
+    original, error = manifest.original_layout()
+    crc32 = {**{e.name: e.crc32 for e in manifest.files}, **{e.name: e.crc32 for e in manifest.extras}}
+    index = DcpIndex(spec, None, store, read_config(store), tuple(headers), entries,
+                     copied_files(store, {h.name for h in headers} | {MANIFEST_NAME}), kind=RESHARD,
+                     original=original, original_error=error, tied=tied_from_record(original), crc32=crc32,
+                     manifest=manifest)
     return index, layout
 
 
-def _recorded_extras(path: Path, data: dict, entries: dict) -> tuple[list[FileHeader], tuple[TargetTensor, ...], dict]:
-    """The extras files the manifest lists (its optional `extras`: tensors the model does not load, whole under their
-    on-disk keys), checked like the rank files: present, of the recorded size, holding exactly the recorded keys.
+def _recorded_extras(store, manifest, entries: dict, spec: str) -> tuple[list[FileHeader], tuple[TargetTensor, ...]]:
+    """The extras files the manifest lists (tensors the model does not load, whole under their on-disk keys),
+    checked like the rank files: present, of the recorded size, holding exactly the recorded keys.
 
     Returns:
-        (their headers, one whole tensor per key with its bytes registered in `entries`, file name -> CRC-32).
+        (their headers, one whole tensor per key with its bytes registered in `entries`).
     """
-    headers, extras, crc32 = [], [], {}
-    for entry in data.get("extras") or ():
-        file = path / entry["name"]
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (it holds {len(entry['keys'])} tensor(s) the model does not load, "
-                                  f"e.g. {entry['keys'][0]}); copy the file back, or write the folder again. Nothing "
-                                  "was written.", path=str(file))
-        header = read_header(file)
+    headers, extras = [], []
+    for entry in manifest.extras:
+        holds = f"it holds {len(entry.keys)} tensor(s) the model does not load, e.g. {entry.keys[0]}"
+        header = _checked_header(store, entry, spec, None, holds)
         by_name = {t.name: t for t in header.tensors}
-        if header.size != entry["bytes"] or sorted(by_name) != sorted(entry["keys"]):
-            raise CheckpointError(f"{file}: {header.size} bytes holding {len(by_name)} tensor(s); reshard.json says "
-                                  f"{entry['bytes']} bytes holding {len(entry['keys'])}. The file is truncated or "
-                                  "replaced; copy it again. Nothing was written.", path=str(file))
-        for key in entry["keys"]:
+        if sorted(by_name) != sorted(entry.keys):
+            raise CheckpointError(f"{store.url(entry.name)}: holds {len(by_name)} tensor(s); reshard.json says "
+                                  f"{len(entry.keys)}. The file is replaced; copy it again. Nothing was written.",
+                                  path=spec)
+        for key in entry.keys:
             t = by_name[key]
-            chunk = _chunk_key(entry["name"], key)
+            chunk = _chunk_key(entry.name, key)
             entries[chunk] = TensorEntry(chunk, t.file, t.dtype, t.shape, t.data_start)
             extras.append(whole_tensor(key, t.shape, t.dtype, chunk))
         headers.append(header)
-        crc32[entry["name"]] = entry["crc32"]
-    return headers, tuple(extras), crc32
+    return headers, tuple(extras)
 
 
 # ---- a save_pretrained(distributed_checkpoint=True) folder -------------------------------------------------------
 
-def _saved_files(path: Path) -> list[str]:
+def _saved_files(names, where: str) -> list[str]:
     """The rank files, checked complete: ranks 1..R without a hole, each with parts 1..N of the N it names."""
     found: dict[int, dict[int, int]] = {}
-    for p in path.iterdir():
-        m = SAVED_FILE.match(p.name)
+    for name in names:
+        m = SAVED_FILE.match(name)
         if m:
             found.setdefault(int(m[1]), {})[int(m[2])] = int(m[3])
     missing = [f"shard-{r:05d}-model-*" for r in range(1, max(found) + 1) if r not in found]
@@ -204,36 +186,36 @@ def _saved_files(path: Path) -> list[str]:
         if len(counts) > 1:
             missing.append(f"shard-{r:05d}: files say both {sorted(counts)} parts")
     if missing:
-        raise CheckpointError(f"{path}: rank file(s) missing: {', '.join(missing[:4])}"
+        raise CheckpointError(f"{where}: rank file(s) missing: {', '.join(missing[:4])}"
                               f"{' ...' if len(missing) > 4 else ''}. Every rank of the saving job writes one; copy "
-                              "the missing file(s) back. Nothing was written.", path=str(path))
-    return sorted(p.name for p in path.iterdir() if SAVED_FILE.match(p.name))
+                              "the missing file(s) back. Nothing was written.", path=where)
+    return sorted(name for name in names if SAVED_FILE.match(name))
 
 
-def _saved_offsets(header: FileHeader, path: Path) -> dict[str, tuple[int, ...]]:
+def _saved_offsets(header: FileHeader, where: str) -> dict[str, tuple[int, ...]]:
     try:
         info = json.loads(header.metadata[DCP_SHARDING_INFO_KEY])
         offsets = {name: tuple(info[name][SAVED_OFFSETS_KEY]) for name in (t.name for t in header.tensors)}
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path / header.name}: no {DCP_SHARDING_INFO_KEY} saved_offsets for every tensor "
+        raise CheckpointError(f"{where}/{header.name}: no {DCP_SHARDING_INFO_KEY} saved_offsets for every tensor "
                               f"({type(e).__name__}: {e}); it was not written by save_pretrained(..., "
-                              "distributed_checkpoint=True). Nothing was written.", path=str(path / header.name)) from e
+                              "distributed_checkpoint=True). Nothing was written.", path=where) from e
     return offsets
 
 
-def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
+def _read_saved_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
     from ..errors import ArchitectureError
     from .experts import build_meta_model, expert_param_names, ignore_patterns, tensor_role
 
-    names = _saved_files(path)
-    config = read_config(path)
+    names = _saved_files(store.names(), spec)
+    config = read_config(store)
     if not config.get("model_type"):
-        raise ArchitectureError(f"{path}: config.json is missing or has no model_type; save_pretrained writes it "
+        raise ArchitectureError(f"{spec}: config.json is missing or has no model_type; save_pretrained writes it "
                                 "beside the rank files. Copy it back. Nothing was written.")
-    headers = [read_header(path / name) for name in names]
+    headers = [header_of(store, name) for name in names]
     chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...]]]] = {}
     for header in headers:
-        offsets = _saved_offsets(header, path)
+        offsets = _saved_offsets(header, spec)
         for t in header.tensors:
             chunks.setdefault(t.name, []).append((t, offsets[t.name]))
     model = build_meta_model(config)
@@ -243,9 +225,9 @@ def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     tied_map = dict(getattr(model, "all_tied_weights_keys", None) or {})
     unknown = sorted(set(chunks) - set(meta_state))
     if unknown:
-        raise CheckpointError(f"{path}: the files hold {unknown[:3]}, which the {config['model_type']} model of "
+        raise CheckpointError(f"{spec}: the files hold {unknown[:3]}, which the {config['model_type']} model of "
                               "config.json does not have; config.json and the files disagree. Nothing was written.",
-                              path=str(path))
+                              path=spec)
     tensors, entries, tied = [], {}, []
     for name, meta in meta_state.items():
         found = chunks.get(name)
@@ -253,9 +235,9 @@ def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
             found = chunks[tied_map[name]]  # a tied weight saved once
             tied.append(name)
         if not found:
-            raise CheckpointError(f"{path}: no file holds any chunk of {name}; a rank file is missing or the save did "
-                                  "not finish. Nothing was written.", path=str(path))
-        shape, dtype, pieces = _place(name, tuple(meta.shape), found, entries, str(path))
+            raise CheckpointError(f"{spec}: no file holds any chunk of {name}; a rank file is missing or the save did "
+                                  "not finish. Nothing was written.", path=spec)
+        shape, dtype, pieces = _place(name, tuple(meta.shape), found, entries, spec)
         tensors.append(TargetTensor(name, shape, dtype, tensor_role(name, name in experts), name not in buffers,
                                     pieces))
     # no extras (save_pretrained keeps only what the model loads); the patterns say what `merge` leaves out
@@ -266,7 +248,7 @@ def _read_saved_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     except Exception as e:  # noqa: BLE001 - any failure of transformers' reverse conversion: original unavailable
         original, error = None, (f"{config['model_type']}: transformers' save_pretrained layout cannot be written by "
                                  f"slicing ({e}); use --layout fused")
-    index = DcpIndex(str(path), None, path, config, tuple(headers), entries, _other_files(path, set(names)),
+    index = DcpIndex(spec, None, store, config, tuple(headers), entries, copied_files(store, set(names)),
                      kind=SAVED, original=original, original_error=error, tied=tuple(tied))
     return index, layout
 

@@ -24,7 +24,7 @@ from ..errors import OutputError, ReshardError, UsageError
 from ..launch import agreed_failure, gloo_group, launcher_world_size
 from ..signals import sigterm_as_interrupt
 from .output import in_unit_order, progress_bar
-from .staged import output_error, remove_temporary, removes_made_parents
+from .staged import output_error, remove_temporary
 from .workers import REPORT_EVERY_S, assign_shares
 
 POLL_S = 0.1  # how often a rank waiting for the others looks at the store (and lets signals in)
@@ -258,7 +258,6 @@ def use_distributed(distributed: bool | None, workers: int | None, command: str)
     return bool(distributed)
 
 
-@removes_made_parents("out")
 def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool | None = None,
                       command: str = "write"):
     """Run an output job as one rank of a distributed job: every rank of the job calls this with the same arguments.
@@ -423,7 +422,7 @@ class _Rank:
         if ranks.bar is not None:
             ranks.bar.update(ranks.store.add(ranks.key("bytes"), 0) - ranks.bar.n)  # every rank has flushed its count
         try:
-            result = job.finish(self.tmp, entries)  # rank 0 writes the rest (a write's extras files, the manifest)
+            result = job.finish(self.tmp, entries, self.out)  # rank 0 writes the rest (a write's extras files, the manifest)
             self.stage.complete()
         except BaseException as e:
             self.stage.discard(interrupted=isinstance(e, KeyboardInterrupt))

@@ -10,6 +10,7 @@ import ctypes
 import errno
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -41,6 +42,16 @@ def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata
         return engine.fill(fd, header, boxes, checksum=checksum)
     finally:
         os.close(fd)
+
+
+def copy_source_file(store, name: str, dest: Path) -> None:
+    """Copy the source's small non-weight file `name` (a config, a tokenizer) to `dest`: with its timestamps when it
+    is local, else its bytes."""
+    path = store.local_path(name)
+    if path is not None:
+        shutil.copy2(path, dest)
+    else:
+        dest.write_bytes(store.read(name, 0, store.size(name)))
 
 
 def _fallocate():

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -27,18 +26,16 @@ from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME
 from ..plan.dtypes import DTYPE_BITS
 from ..plan.files import ChunkSpec, split_parts
-from ..plan.layout import ModelLayout, TargetTensor
+from ..plan.layout import MergeLayout, ModelLayout, TargetTensor
 from ..plan.placement import Box
 from ..read.checkpoint import INDEX_NAME
-from ..read.dcp_source import DcpIndex, read_dcp_source
+from ..read.dcp_source import DcpIndex
 from ..runs.engine import Engine
-from .distributed import use_distributed, write_distributed
-from .files import write_safetensors
-from .output import headers_digest, write_output
-from .staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, removes_made_parents
+from .files import copy_source_file, write_safetensors
+from .output import headers_digest
+from .staged import ReplaceRule, StagedOutput, fsync_path, local_sources, not_a_reshard_output, not_ours
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
-LAYOUTS = ("original", "fused")
 MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
 MERGE_MARK = "reshard merge"  # `metadata.written_by` of the index: tells a merge output from other folders
 
@@ -72,44 +69,16 @@ def _natural_key(key: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
-def merge_tensors(index: DcpIndex, layout: ModelLayout, *, layout_mode: str = "original") -> list[OutputTensor]:
-    """The output tensors, in natural key order.
+def merge_tensors(index: DcpIndex, layout: ModelLayout, *, layout_mode: MergeLayout | str = MergeLayout.ORIGINAL
+                  ) -> list[OutputTensor]:
+    """The output tensors, in natural key order: the model's tensors named as `layout_mode` names them
+    (`OUTPUT_NAMES`), then the tensors the model does not load, back under their own keys.
 
     Raises:
         CheckpointError: `original` is asked but the source layout is unknown (a reshard folder written before it was
             recorded) or cannot be written by slicing; the message says to use `fused`.
     """
-    if layout_mode not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout_mode!r}")
-    targets = layout.by_name()
-    out: list[OutputTensor] = []
-    if layout_mode == "fused":
-        for t in layout.tensors:
-            if t.name not in index.tied:
-                out.append(OutputTensor(t.name, t.shape, t, tuple((0, n) for n in t.shape)))
-    else:
-        if index.original is None:
-            raise CheckpointError(f"{index.source}: the source's on-disk layout is unknown: {index.original_error}. "
-                                  "Nothing was written.", path=index.source)
-        seen: set[str] = set()
-        for name, pieces in index.original.items():
-            target = targets.get(name)
-            if target is None:
-                raise CheckpointError(f"{index.source}: the recorded source layout names {name}, which the folder "
-                                      "does not hold; reshard.json is damaged. Nothing was written.", path=index.source)
-            for key, offset, stacked, shape in pieces:
-                if key in seen:
-                    continue  # a tied weight stored once
-                seen.add(key)
-                extent = list(shape)
-                if stacked is not None:
-                    extent.insert(stacked, 1)
-                box = tuple(zip(offset, extent))
-                if len(box) != len(target.shape) or any(o + n > s for (o, n), s in zip(box, target.shape)):
-                    raise CheckpointError(f"{index.source}: the recorded {key} {list(shape)} at {list(offset)} does "
-                                          f"not fit {name} {list(target.shape)}. Nothing was written.",
-                                          path=index.source)
-                out.append(OutputTensor(key, tuple(shape), target, box))
+    out = OUTPUT_NAMES[MergeLayout(layout_mode)](index, layout)
     keys = {t.key for t in out}
     for t in layout.extras:  # tensors the model does not load (MTP layers): back under their own keys, either layout
         if t.name in keys:
@@ -121,75 +90,101 @@ def merge_tensors(index: DcpIndex, layout: ModelLayout, *, layout_mode: str = "o
     return out
 
 
+def _fused_names(index: DcpIndex, layout: ModelLayout) -> list[OutputTensor]:
+    """Every in-memory tensor whole under its own name (tied copies once)."""
+    return [OutputTensor(t.name, t.shape, t, tuple((0, n) for n in t.shape)) for t in layout.tensors
+            if t.name not in index.tied]
+
+
+def _original_names(index: DcpIndex, layout: ModelLayout) -> list[OutputTensor]:
+    """The source checkpoint's on-disk keys, each a box of the in-memory tensor it was composed into."""
+    if index.original is None:
+        raise CheckpointError(f"{index.source}: the source's on-disk layout is unknown: {index.original_error}. "
+                              "Nothing was written.", path=index.source)
+    targets, out, seen = layout.by_name(), [], set()
+    for name, pieces in index.original.items():
+        target = targets.get(name)
+        if target is None:
+            raise CheckpointError(f"{index.source}: the recorded source layout names {name}, which the folder "
+                                  "does not hold; reshard.json is damaged. Nothing was written.", path=index.source)
+        for key, offset, stacked, shape in pieces:
+            if key in seen:
+                continue  # a tied weight stored once
+            seen.add(key)
+            extent = list(shape)
+            if stacked is not None:
+                extent.insert(stacked, 1)
+            box = tuple(zip(offset, extent))
+            if len(box) != len(target.shape) or any(o + n > s for (o, n), s in zip(box, target.shape)):
+                raise CheckpointError(f"{index.source}: the recorded {key} {list(shape)} at {list(offset)} does "
+                                      f"not fit {name} {list(target.shape)}. Nothing was written.", path=index.source)
+            out.append(OutputTensor(key, tuple(shape), target, box))
+    return out
+
+
+# How each output layout names the model's tensors: the seam where another target's names (torchtitan's FQNs, say)
+# would plug in, as a `MergeLayout` value and a function here (docs/development.md).
+OUTPUT_NAMES = {MergeLayout.ORIGINAL: _original_names, MergeLayout.FUSED: _fused_names}
+
+
 # config.json fields a training run or a re-save may change without changing the model (`--extras-from`'s check)
 CONFIG_FIELDS_NOT_COMPARED = frozenset({"transformers_version", "dtype", "torch_dtype", "use_cache", "_name_or_path",
                                         "quantization_config"})
 
 
-def with_extras_from(index: DcpIndex, layout: ModelLayout, source) -> tuple[DcpIndex, ModelLayout]:
-    """`index` and `layout` of a trained folder, plus the extras of `source`: the reshard folder or HF checkpoint
-    the training started from (a folder saved with `save_pretrained(..., distributed_checkpoint=True)` holds only the
-    tensors the model loads).
+EXTRAS_FROM = "extras-from/"  # the `--extras-from` source's file names inside the merged index
 
-    The two folders become one source: an extras file outside the trained folder is named by its absolute path
-    (`CheckpointIndex.path_of` joins an absolute name as it is), and a reshard folder's CRC-32s still check it.
+
+def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIndex, ModelLayout]:
+    """`index` and `layout` of a trained folder, plus the extras of `other` (a `Source`): the reshard folder or HF
+    checkpoint the training started from (a folder saved with `save_pretrained(..., distributed_checkpoint=True)`
+    holds only the tensors the model loads).
+
+    The two become one source: `other`'s files are read through one store with the trained folder's, under the
+    prefix `EXTRAS_FROM` (`reshard.read.store.JoinedStore`), and a reshard folder's CRC-32s still check them.
 
     Raises:
-        UsageError: `source` is quantized (its extras are not bf16 bytes), holds no extras, or is another model
-            (a `config.json` field both have differs, beyond `CONFIG_FIELDS_NOT_COMPARED`), or the trained folder
-            already has extras.
+        UsageError: `other` is quantized (its extras are not bf16 bytes), holds no extras, or is another model (a
+            `config.json` field both have differs, beyond `CONFIG_FIELDS_NOT_COMPARED`), or the trained folder already
+            has extras.
     """
     from dataclasses import replace
 
     from ..errors import UsageError
-    from ..read.dcp_source import dcp_kind
+    from ..read.store import JoinedStore
 
-    where = f"--extras-from {source}"
+    where = f"--extras-from {other.spec}"
     if layout.extras:
         raise UsageError(f"{where}: {index.source} already holds {len(layout.extras)} tensor(s) the model does not "
                          "load; merge writes those back. Leave out --extras-from. Nothing was written.")
-    if dcp_kind(source):
-        other, other_layout = read_dcp_source(source)
-    else:
-        from ..read.checkpoint import read_checkpoint
-        from ..read.experts import find_experts
-
-        other = read_checkpoint(source, need_data=True)
-        if other.config.get("quantization_config"):
-            raise UsageError(f"{where}: a quantized checkpoint; its extras are quantized bytes, not the bf16 tensors "
-                             "of the trained model. Pass the reshard folder written from it with --dequantize bf16. "
-                             "Nothing was written.")
-        other_layout = find_experts(other)
-    differ = sorted(k for k in set(index.config) & set(other.config) - CONFIG_FIELDS_NOT_COMPARED
-                    if index.config[k] != other.config[k])
-    if not other.config.get("model_type") or differ:
-        shown = ", ".join(f"{k}: {other.config[k]!r} there, {index.config[k]!r} here" for k in differ[:3])
+    if other.quantization is not None:
+        raise UsageError(f"{where}: a quantized checkpoint; its extras are quantized bytes, not the bf16 tensors "
+                         "of the trained model. Pass the reshard folder written from it with --dequantize bf16. "
+                         "Nothing was written.")
+    source, other_layout = other.index, other.model_layout()
+    differ = sorted(k for k in set(index.config) & set(source.config) - CONFIG_FIELDS_NOT_COMPARED
+                    if index.config[k] != source.config[k])
+    if not source.config.get("model_type") or differ:
+        shown = ", ".join(f"{k}: {source.config[k]!r} there, {index.config[k]!r} here" for k in differ[:3])
         raise UsageError(f"{where}: not the same model as {index.source} ({shown or 'no model_type in its config'}); "
                          "pass the folder the training started from. Nothing was written.")
     if not other_layout.extras:
         raise UsageError(f"{where}: it holds no tensors the model does not load, so there is nothing to take. "
                          "Nothing was written.")
-    root = other.root.resolve()
-    entries, extras, crc32 = {}, [], {}
+    entries, extras = {}, []
     for t in other_layout.extras:
-        entry = other.tensors[t.pieces[0].source]
+        entry = source.tensors[t.pieces[0].source]
         key = f"<extras-from>:{entry.name}"
-        entries[key] = replace(entry, name=key, file=str(root / entry.file))
+        entries[key] = replace(entry, name=key, file=EXTRAS_FROM + entry.file)
         extras.append(replace(t, pieces=(replace(t.pieces[0], source=key),)))
-    for name, crc in (getattr(other, "crc32", None) or {}).items():
-        crc32[str(root / name)] = crc
     files = {e.file for e in entries.values()}
-    merged = replace(index, tensors={**index.tensors, **entries},
-                     files=(*index.files, *(replace(h, name=str(root / h.name)) for h in other.files
-                                            if str(root / h.name) in files)),
+    crc32 = {EXTRAS_FROM + name: crc for name, crc in (source.crc32 or {}).items()}
+    merged = replace(index, store=JoinedStore(index.store, EXTRAS_FROM, source.store),
+                     tensors={**index.tensors, **entries},
+                     files=(*index.files, *(replace(h, name=EXTRAS_FROM + h.name) for h in source.files
+                                            if EXTRAS_FROM + h.name in files)),
                      crc32={**(index.crc32 or {}), **crc32} if (index.crc32 or crc32) else None)
     return merged, replace(layout, ignored_sources=tuple(t.name for t in extras), extras=tuple(extras))
-
-
-def _where(source) -> str:
-    """A local source as an absolute path (a Hub repo id as it is)."""
-    path = Path(os.fspath(source))
-    return str(path.resolve()) if path.exists() else str(source)
 
 
 def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
@@ -198,10 +193,7 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
     if layout.extras:
         return None
     if index.kind == "reshard":
-        try:
-            dropped = json.loads((index.root / MANIFEST_NAME).read_text()).get("dropped_unloaded")
-        except (OSError, ValueError, AttributeError):
-            dropped = None
+        dropped = index.manifest.dropped_unloaded
         if not dropped:
             return None
         return (f"{index.source} was written with --drop-unloaded: {dropped} tensor(s) its source held that the model "
@@ -242,15 +234,23 @@ MERGE_OUTPUT = ReplaceRule(not_a_merge_output, "a complete merge or reshard outp
 
 @dataclass(frozen=True)
 class MergeJob:
-    """A `merge` as an output job (`reshard.write.output.OutputJob`): its units are the output files."""
+    """A `merge` as an output job (`reshard.write.output.OutputJob`): its units are the output files.
+
+    Attributes:
+        index, layout: the source (a reshard or saved folder, with any `--extras-from` tensors joined in).
+        parts: the output tensors of each output file.
+        layout_mode: how the tensors are named.
+        extras_from: the `--extras-from` source as given, or None.
+        checked: every source file read has a CRC-32 in its manifest to check against.
+    """
 
     index: DcpIndex
     layout: ModelLayout
     parts: tuple[tuple[OutputTensor, ...], ...]
-    layout_mode: str
+    layout_mode: MergeLayout
     max_shard_size: int | None
     extras_from: str | None = None
-    checked: bool = False  # every source file read has a CRC-32 in its manifest to check against
+    checked: bool = False
     command = "merge"
     compute = False
 
@@ -267,12 +267,10 @@ class MergeJob:
         return [name for name in self.index.other_files if name not in self.names and name != INDEX_NAME]
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
-        index = self.index
-        return StagedOutput(out, overwrite, [index.root, *(index.path_of(f.name) for f in index.files)],
-                            rule=MERGE_OUTPUT)
+        return StagedOutput(out, overwrite, local_sources(self.index), rule=MERGE_OUTPUT)
 
     def needed_bytes(self) -> int:
-        return sum(self.unit_sizes) + sum((self.index.root / name).stat().st_size for name in self.copied)
+        return sum(self.unit_sizes) + sum(self.index.store.size(name) for name in self.copied)
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
         engine, entries = Engine(self.index, progress), []
@@ -290,100 +288,51 @@ class MergeJob:
             engine.close()
         return entries
 
-    def finish(self, tmp: Path, entries: list[dict]) -> dict:
+    def finish(self, tmp: Path, entries: list[dict], out: Path) -> dict:
         """The copied files and the index, last; returns the index document."""
         for name in self.copied:
-            shutil.copy2(self.index.root / name, tmp / name)
+            copy_source_file(self.index.store, name, tmp / name)
         weight_map = {key: entry["name"] for entry in entries for key in entry["keys"]}
         document = {"metadata": {"total_size": sum(self.unit_sizes), "written_by": MERGE_MARK,
-                                 "tool": f"reshard {__version__}", "layout": self.layout_mode, "copied": self.copied,
+                                 "tool": f"reshard {__version__}", "layout": self.layout_mode.value,
+                                 "copied": self.copied,
                                  # where the extras came from: `verify DEST --against SRC` compares them there
-                                 **({"extras_from": _where(self.extras_from)} if self.extras_from is not None
-                                    else {})},
+                                 **({"extras_from": self.extras_from} if self.extras_from is not None else {})},
                     "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(document, indent=2) + "\n")
         return document
 
     def identity(self, out: Path, overwrite: bool) -> dict:
-        return {"OUT": str(out), "layout": self.layout_mode,
+        return {"OUT": str(out), "layout": self.layout_mode.value,
                 "options": f"max_shard_size={self.max_shard_size} overwrite={overwrite} "
                            f"extras_from={self.extras_from}",
                 "SRC's safetensors headers": headers_digest(self.index)}
 
-    def summary(self, dest) -> dict:
-        return {"dest": str(dest), "files": len(self.names), "tensors": sum(len(p) for p in self.parts),
-                "bytes": sum(self.unit_sizes), "layout": self.layout_mode, "source_kind": self.index.kind,
-                "source_crc32_checked": self.checked, "extras": len(self.layout.extras),
-                "left_out": left_out(self.index, self.layout)}
 
+def merge_job(source, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
+              layout: MergeLayout | str = MergeLayout.ORIGINAL, extras_from=None) -> MergeJob:
+    """Plan the merge of `source` (a `reshard.read.source.Source`: a reshard or saved folder), with the tensors the
+    model does not load taken from `extras_from` (a `Source`, or None); checked before anything is written.
 
-def merge_job(source, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, layout: str = "original",
-              extras_from=None) -> MergeJob:
-    """Read `source` and plan its merge (checked before anything is written)."""
-    index, model_layout = read_dcp_source(source)
+    Raises:
+        CheckpointError: `source` is a checkpoint, not a folder in the distributed-checkpoint layout.
+    """
+    from ..read.source import Kind
+
+    if source.kind is Kind.CHECKPOINT:
+        raise CheckpointError(f"{source.spec}: neither a reshard folder (`reshard write`) nor a folder saved by "
+                              "transformers' save_pretrained(..., distributed_checkpoint=True): no reshard.json and no "
+                              "shard-RRRRR-model-PPPPP-of-NNNNN.safetensors; pass one of those. To write a checkpoint "
+                              "for a mesh instead: `reshard write SRC OUT --fsdp N`. Nothing was written.",
+                              path=source.spec)
+    index, model_layout = source.index, source.model_layout()
     checked = index.crc32 is not None
     if extras_from is not None:
         index, model_layout = with_extras_from(index, model_layout, extras_from)
     tensors = merge_tensors(index, model_layout, layout_mode=layout)
     parts = split_parts(tensors, max_shard_size, nbytes=lambda t: t.nbytes)
-    return MergeJob(index, model_layout, tuple(tuple(p) for p in parts), layout, max_shard_size, extras_from, checked)
-
-
-@removes_made_parents("dest")
-def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
-                     layout: str = "original", overwrite: bool = False, progress: bool | None = None,
-                     extras_from=None, workers: int | None = 1, distributed: bool | None = False) -> dict | None:
-    """Merge a reshard folder or a saved distributed checkpoint into a standard HF checkpoint at `dest`.
-
-    Args:
-        source: a `reshard write` folder, or a folder written by `save_pretrained(..., distributed_checkpoint=True)`.
-        dest: the output folder; must not exist unless `overwrite`, and then be empty, a merge output or a reshard
-            output.
-        max_shard_size: bytes per output file at most (a larger tensor gets a file of its own); None: one file.
-        layout: `original` (the source checkpoint's on-disk keys and shapes, per-expert keys split back out; for a
-            saved folder what transformers' own `save_pretrained` writes) or `fused` (the in-memory names).
-        overwrite: replace an existing `dest` (swapped in only once complete).
-        progress: a byte progress bar (None: only on a terminal; False: never).
-        extras_from: for a trained folder saved without them, the reshard folder or HF checkpoint the training
-            started from, whose tensors the model does not load (MTP layers) are written back beside the trained
-            ones (`with_extras_from`: same model, no key collides).
-        workers: processes writing shares of the output files on this machine (`reshard.write.workers`); 1 writes
-            in this process, None picks `default_workers`. Above 1, call this under `if __name__ == "__main__":`.
-            The output is byte-identical either way.
-        distributed: this process is one rank of a torchrun job and every rank calls this with the same arguments:
-            each writes a share of the files into `dest`, on a file system they all share
-            (`reshard.write.distributed`). None: when the launcher's environment says so. Not with `workers`.
-
-    Returns:
-        A summary: `dest`, `files`, `tensors`, `bytes` (tensor data), `layout`, `source_kind`,
-        `source_crc32_checked` (every source file read was checked against its manifest's CRC-32; False for a saved
-        folder, which records none), `extras` (tensors written back that the model does not load) and `left_out`
-        (what the merge could not write back, see `left_out`, or None). None on the ranks other than 0 of a
-        distributed merge.
-
-    Raises:
-        CheckpointError: the input is neither kind, is incomplete (a rank file missing, a gap, overlapping chunks,
-            mixed dtypes), or `original` is not known for it. Checked before anything is written. Also: a source
-            file's CRC-32 differs from its manifest's (checked as the copy runs; nothing is kept).
-        OutputError: `dest` exists and may not be replaced, is or holds the source, another write holds it, or
-            the disk is full; nothing partial is left.
-        UsageError: `workers` above 1 in a distributed merge.
-
-    Example:
-        >>> merge_checkpoint("ckpt-step1000", "published")  # doctest: +SKIP
-    """
-    jobs: list[MergeJob] = []
-
-    def read_job() -> MergeJob:
-        jobs.append(merge_job(source, max_shard_size=max_shard_size, layout=layout, extras_from=extras_from))
-        return jobs[-1]
-
-    if use_distributed(distributed, workers, "merge"):
-        if write_distributed(read_job, dest, overwrite=overwrite, progress=progress, command="merge") is None:
-            return None
-    else:
-        write_output(read_job(), dest, overwrite=overwrite, progress=progress, workers=workers)
-    return jobs[-1].summary(dest)
+    return MergeJob(index, model_layout, tuple(tuple(p) for p in parts), MergeLayout(layout), max_shard_size,
+                    None if extras_from is None else extras_from.location.absolute, checked)
 
 
 def is_merged_folder(folder) -> bool:
@@ -394,6 +343,3 @@ def is_merged_folder(folder) -> bool:
         return False
     return (path / INDEX_NAME).is_file() or any(p.suffix == ".safetensors" and not p.name.startswith("shard-")
                                                  for p in path.iterdir())
-
-
-__all__ = ["merge_checkpoint", "merge_tensors", "is_merged_folder"]

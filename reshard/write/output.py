@@ -40,9 +40,9 @@ class OutputJob(Protocol):
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
         """Write the files of `units` into `tmp`: `(unit, file entry)` each, in unit then part order."""
 
-    def finish(self, tmp: Path, entries: list[dict]):
-        """Complete `tmp` from every file entry (in unit order): the rest of its files, the index or manifest
-        last; returns what the command returns."""
+    def finish(self, tmp: Path, entries: list[dict], out: Path):
+        """Complete `tmp`, the temporary folder of `out`, from every file entry (in unit order): the rest of its
+        files, the index or manifest last; returns what the command returns."""
 
     def identity(self, out: Path, overwrite: bool) -> dict:
         """What must be the same on every rank of a distributed job for their shares to fit together."""
@@ -92,7 +92,7 @@ def write_output(job: OutputJob, out, *, overwrite: bool = False, progress: bool
                     pairs = write_with_workers(job, tmp, workers, progress=bar)
                 else:
                     pairs = job.write_units(tmp, range(len(sizes)), progress=bar)
-                result = job.finish(tmp, in_unit_order(pairs))
+                result = job.finish(tmp, in_unit_order(pairs), stage.out)
                 stage.complete()
         finally:
             bar.close()

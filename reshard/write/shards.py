@@ -11,21 +11,19 @@ manifest last, and the staged output (`reshard.write.staged`) swaps the folder i
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from ..manifest import MANIFEST_NAME, dcp_metadata, dump_manifest, extra_file_name, manifest_document, shard_file_name
+from ..manifest import MANIFEST_NAME, Manifest, build_manifest, dcp_metadata, extra_file_name, shard_file_name
 from ..plan.dtypes import DTYPE_BITS
 from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_sizes, split_parts
 from ..plan.placement import ReshardPlan
 from ..read.checkpoint import CheckpointIndex
 from ..runs.engine import Engine
-from .files import write_safetensors
-from .output import headers_digest, write_output
-from .staged import StagedOutput, fsync_path, removes_made_parents
+from .files import copy_source_file, write_safetensors
+from .output import headers_digest
+from .staged import StagedOutput, fsync_path, local_sources
 
 
 def write_rank_file(path: Path, items: list, engine: Engine) -> dict:
@@ -130,21 +128,19 @@ class WriteJob:
         return [name for name in self.index.other_files if name != MANIFEST_NAME]
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
-        index = self.index
-        files = [index.path_of(f.name) for f in index.files]  # fails early for header-only (remote) sources
-        return StagedOutput(out, overwrite, [index.root, *files])
+        return StagedOutput(out, overwrite, local_sources(self.index))
 
     def needed_bytes(self) -> int:
         return (sum(self.unit_sizes) + extras_bytes(self.plan)
-                + sum((self.index.root / name).stat().st_size for name in self.copied))
+                + sum(self.index.store.size(name) for name in self.copied))
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
         files = write_coordinates(self.plan, self.index, tmp, units, max_shard_size=self.max_shard_size,
                                   progress=progress, fsync=fsync)
         return [(entry["coord"], entry) for entry in files]
 
-    def finish(self, tmp: Path, entries: list[dict]) -> dict:
-        """Complete the folder: extras, copied files, the manifest last; returns the manifest document."""
+    def finish(self, tmp: Path, entries: list[dict], out: Path) -> Manifest:
+        """Complete the folder: extras, copied files, the manifest last; returns the manifest."""
         plan, index = self.plan, self.index
         extras = write_extras(plan, index, tmp, max_shard_size=self.max_shard_size)
         for name in self.copied:
@@ -154,10 +150,9 @@ class WriteJob:
 
                 (tmp / name).write_text(json.dumps(dequantized_config(index.config), indent=2) + "\n")
             else:
-                shutil.copy2(index.root / name, tmp / name)
-        manifest = manifest_document(plan, index, entries, extras)
-        with open(tmp / MANIFEST_NAME, "w") as f:
-            f.write(dump_manifest(manifest))
+                copy_source_file(index.store, name, tmp / name)
+        manifest = build_manifest(plan, index, entries, extras, where=out)
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         return manifest
 
     def identity(self, out: Path, overwrite: bool) -> dict:
@@ -167,31 +162,19 @@ class WriteJob:
                 "SRC's safetensors headers": headers_digest(self.index)}
 
 
-@removes_made_parents("out")
-def write_shards(plan: ReshardPlan, index: CheckpointIndex, out: str | os.PathLike, *, overwrite: bool = False,
-                 max_shard_size: int | None = None, progress: bool | None = None, workers: int | None = 1) -> dict:
-    """Write `plan` for the checkpoint `index` into the folder `out`.
-
-    Args:
-        plan: from `make_plan`.
-        index: the source checkpoint (local files: `read_checkpoint(..., need_data=True)`).
-        out: the output folder; must not exist unless `overwrite`, and then be empty or a reshard output.
-        max_shard_size: split each coordinate's data into files of at most this many bytes.
-        progress: show a byte progress bar (None: only on a terminal; False: never).
-        workers: processes writing shares of the coordinates' files in parallel (`reshard.write.workers`); 1 writes in
-            this process; None picks `reshard.write.workers.default_workers`. With more than 1, a script calling this
-            needs the `if __name__ == "__main__":` guard (workers are spawned). The output is the same either way.
+def write_shards(plan: ReshardPlan, index: CheckpointIndex, out, *, overwrite: bool = False,
+                 max_shard_size: int | None = None, progress: bool | None = None, workers: int | None = 1) -> Manifest:
+    """Write `plan` for the source `index` into the folder `out`, in this process or `workers` processes: the
+    write step of `reshard.write_checkpoint`, for a plan built by hand (`make_plan` over any `ModelLayout`).
 
     Returns:
-        The manifest document written to `out/reshard.json`.
+        The manifest written to `out/reshard.json`.
 
     Raises:
         OutputError: `out` exists (and is not replaceable), is or holds the source, another write to it is running,
             it is not writable, the disk is full, or a worker failed (nothing partial is left).
-        CheckpointError: the source is not available locally.
-
-    Example:
-        >>> write_shards(plan, read_checkpoint("ckpt", need_data=True), "ckpt-fsdp8")  # doctest: +SKIP
     """
-    return write_output(WriteJob(plan, index, max_shard_size), out, overwrite=overwrite, progress=progress,
-                        workers=workers)
+    from .runner import run_job
+
+    return run_job(lambda: WriteJob(plan, index, max_shard_size), out, command="write", overwrite=overwrite,
+                   progress=progress, workers=workers, distributed=False)[1]

@@ -15,7 +15,6 @@ import errno
 import fcntl
 import functools
 import glob
-import json
 import os
 import shutil
 import socket
@@ -26,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import OutputError
-from ..manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from ..errors import OutputError, UsageError
+from ..manifest import claimed_names
 from ..read.checkpoint import is_metadata_file
 from ..signals import signals_held
 
@@ -60,22 +59,11 @@ def not_a_reshard_output(out: Path) -> str | None:
     entries = sorted(os.listdir(out))
     if not entries:
         return None
-    try:
-        manifest = json.loads((out / MANIFEST_NAME).read_text())
-    except FileNotFoundError:
-        return f"it holds {some(entries)} and no {MANIFEST_NAME}, so it is not a reshard output"
-    except (OSError, ValueError) as e:
-        return f"its {MANIFEST_NAME} cannot be read ({e})"
-    try:
-        if manifest.get("format") != MANIFEST_FORMAT:
-            return f"its {MANIFEST_NAME} is not a reshard manifest"
-        ours = {MANIFEST_NAME, *(f["name"] for f in manifest["files"]),
-                *(f["name"] for f in manifest.get("extras") or ())}
-        copied = manifest.get("copied")
-        # a manifest from before `copied` was recorded: only top-level files reshard copies today count as ours
-        ours |= set(copied) if copied is not None else {e for e in entries if is_metadata_file(e)}
-    except (AttributeError, KeyError, TypeError):
-        return f"its {MANIFEST_NAME} is damaged"
+    ours, why = claimed_names(out)
+    if why is not None:
+        return why
+    if ours is None:  # a manifest from before `copied` was recorded: top-level files reshard copies today count
+        ours = {e for e in entries if is_metadata_file(e)} | claimed_names(out, with_copied=False)[0]
     foreign = not_ours(out, entries, ours)
     if foreign:
         return f"it is a reshard output but also holds {some(foreign)}, which reshard did not write"
@@ -191,6 +179,30 @@ def output_error(e: OSError, out: Path, total: int) -> OutputError:
     if isinstance(e, OutputError):
         return e
     return OutputError(f"{out}: write failed ({e}); nothing was kept.")
+
+
+def refuse_url_output(out, what: str) -> None:
+    """Refuse an output given as a URL (`s3://bucket/out`) before anything is read: reshard writes a folder atomically
+    with a lock, a temporary folder and a rename, which an object store does not offer.
+
+    Raises:
+        UsageError: `out` is a URL.
+    """
+    from ..read.source import is_url
+
+    if is_url(out):
+        raise UsageError(f"{what} {out}: a URL. reshard writes its output to a local or shared file system (node-local "
+                         "disks, NFS, Lustre): an atomic folder needs a lock and a rename, which object stores do not "
+                         f"offer. Pass a folder, and copy it to the bucket afterwards if you need it there. Nothing "
+                         "was read or written.")
+
+
+def local_sources(index) -> list[Path]:
+    """The local folder and files of a source (`CheckpointIndex`) that an output must not replace: none for a
+    source read in ranges."""
+    if index.root is None:
+        return [p for p in (index.store.local_path(f.name) for f in index.files) if p is not None]
+    return [index.root, *(index.root / f.name for f in index.files)]
 
 
 def refuse_source_overlap(out: Path, sources) -> None:

@@ -1,0 +1,403 @@
+"""One place that decides what a source is: `locate` and `open_source`, used by every command and the loader.
+
+SRC (and a folder to load) may be:
+
+| given | where | read through |
+|---|---|---|
+| a local folder or `.safetensors` file | `local` | `LocalStore` (links must stay inside the folder) |
+| a Hugging Face cache snapshot (`models--org--name/snapshots/<rev>`) | `hf-cache` | `LocalStore`, links into the repo's `blobs/` followed |
+| a Hub repo id (`org/name`) | `hub` | downloaded into the cache first, then as a cache snapshot |
+| a Hub repo id with `stream` | `hub-stream` | ranged requests (`HfFileSystem`), files already cached read there |
+| `s3://bucket/prefix` | `s3` | ranged requests (`s3fs`: endpoint and credentials from the AWS environment) |
+
+and, whatever the store, the folder is a checkpoint (safetensors, maybe quantized), a reshard folder (`reshard.json`)
+or a folder saved by `save_pretrained(..., distributed_checkpoint=True)` (`shard-*` files). Every rule about sources
+(which links are followed, what a repo id or a URL is, which special files are refused) lives here or in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from ..errors import CheckpointError, UsageError
+from .checkpoint import CheckpointIndex, checkpoint_index
+from .store import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, CachedHubStore, LocalStore, RemoteStore, Store
+
+S3_SCHEMES = ("s3://", "s3a://")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+MANIFEST_FILE = "reshard.json"  # reshard.manifest.MANIFEST_NAME (read imports the manifest package, not back)
+# Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
+HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
+
+
+class Where(str, Enum):
+    """Where a source's bytes are."""
+
+    LOCAL = "local"
+    HF_CACHE = "hf-cache"
+    HUB = "hub"
+    HUB_STREAM = "hub-stream"
+    S3 = "s3"
+
+
+class Kind(str, Enum):
+    """What a source holds."""
+
+    CHECKPOINT = "checkpoint"  # safetensors weights under their on-disk keys (an HF checkpoint, maybe quantized)
+    RESHARD = "reshard"  # a `reshard write` folder
+    SAVED = "saved"  # a `save_pretrained(..., distributed_checkpoint=True)` folder
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a source is and what it holds, decided from the argument and a listing, before any header is read.
+
+    Attributes:
+        spec: the argument as given (a path, a repo id, a URL): what messages and the manifest name.
+        where: the kind of storage.
+        kind: checkpoint, reshard folder or saved distributed checkpoint.
+        store: serves its files' bytes.
+        revision: the Hub revision asked for (Hub sources), else None.
+        single_file: the one `.safetensors` file given instead of a folder, else None.
+    """
+
+    spec: str
+    where: Where
+    kind: Kind
+    store: Store
+    revision: str | None = None
+    single_file: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.where in (Where.HUB_STREAM, Where.S3)
+
+    @property
+    def absolute(self) -> str:
+        """The source as another process, in another folder, can open it again: a local path made absolute."""
+        return os.path.abspath(self.spec) if self.where in (Where.LOCAL, Where.HF_CACHE) else self.spec
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source opened: its location and its index (for a quantized checkpoint, the index of the bf16 checkpoint it
+    stands for), and, for a folder in the distributed-checkpoint layout, the model layout the folder itself records.
+
+    Attributes:
+        location: where it is and what it holds.
+        index: every tensor's bytes (`CheckpointIndex`, or `reshard.read.dcp_source.DcpIndex` for a reshard or saved
+            folder, whose tensors are its chunks).
+        layout: the in-memory layout of a reshard or saved folder; None for a checkpoint (`model_layout` maps it
+            with transformers' tables).
+    """
+
+    location: Location
+    index: CheckpointIndex
+    layout: object = None  # reshard.plan.layout.ModelLayout
+
+    @property
+    def spec(self) -> str:
+        return self.location.spec
+
+    @property
+    def kind(self) -> Kind:
+        return self.location.kind
+
+    @property
+    def store(self) -> Store:
+        return self.location.store
+
+    @property
+    def quantization(self):
+        return self.index.quantization
+
+    @property
+    def crc32(self) -> dict[str, str] | None:
+        """File name -> the CRC-32 the source records (a reshard folder), or None."""
+        return self.index.crc32
+
+    def model_layout(self):
+        """The model's tensors and where each comes from (`reshard.plan.layout.ModelLayout`)."""
+        if self.layout is not None:
+            return self.layout
+        from .experts import find_experts
+
+        return find_experts(self.index)
+
+
+# ---- the argument -------------------------------------------------------------------------------------------------
+
+def is_url(spec) -> bool:
+    """Whether `spec` is a URL (`s3://...`, `gs://...`) rather than a path or a repo id."""
+    return isinstance(spec, str) and bool(_URL.match(spec))
+
+
+def repo_id_problem(spec: str) -> str | None:
+    """Why `spec` is not a valid Hub repo id, or None (huggingface_hub's own rules)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def _not_found(spec: str) -> CheckpointError:
+    return CheckpointError(f"{spec}: no such file or folder. Pass a checkpoint folder or .safetensors file, a Hugging "
+                           "Face cache snapshot folder, a Hub repo id (org/name), an s3://bucket/prefix URL, a reshard "
+                           "folder, or a folder saved with save_pretrained(..., distributed_checkpoint=True).",
+                           path=spec)
+
+
+def locate(spec, *, revision: str | None = None, stream: bool = False, data: bool = True,
+           outside_links: bool = False) -> Location:
+    """Where `spec` is and what it holds (see the module docstring); reads a listing, never a header.
+
+    Args:
+        spec: a local path, a Hub repo id or an `s3://` URL.
+        revision: a Hub branch, tag or commit (Hub sources only).
+        stream: read a Hub repo in ranges instead of downloading it into the cache first.
+        data: the weights will be read (a Hub repo is downloaded unless `stream`); False for headers only (`plan`).
+        outside_links: a local folder's links may point anywhere (a reshard folder to load or verify, which a user may
+            assemble from links: its manifest says what each file must hold); a source's must stay inside it.
+
+    Raises:
+        CheckpointError: nothing there, an invalid repo id, an unreachable or empty store.
+        UsageError: a URL of a scheme reshard does not read.
+    """
+    spec = os.fspath(spec)
+    if is_url(spec):
+        if not spec.startswith(S3_SCHEMES):
+            raise UsageError(f"{spec}: reshard reads local folders and files, Hugging Face cache snapshots, Hub repo "
+                             "ids (org/name) and s3://bucket/prefix URLs; not this scheme. Nothing was read.")
+        return _located(spec, Where.S3, _s3_store(spec))
+    path = Path(spec)
+    if path.exists():
+        return _local(spec, path, outside_links)
+    if not _REPO_ID.match(spec):
+        raise _not_found(spec)
+    if why := repo_id_problem(spec):
+        raise CheckpointError(f"{spec}: no local folder of that name, and not a valid Hub repo id ({why}). Check the "
+                              "path or the repo id. Nothing was read.", path=spec)
+    return _hub(spec, revision, stream=stream, data=data)
+
+
+def _local(spec: str, path: Path, outside_links: bool = False) -> Location:
+    if path.is_file() or (path.exists() and not path.is_dir()):
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: not a .safetensors file or a folder.", path=str(path))
+        return Location(spec, Where.LOCAL, Kind.CHECKPOINT, LocalStore(path.parent), single_file=path.name)
+    repo = cache_repo_of(path)
+    if repo is not None:
+        return _located(spec, Where.HF_CACHE, LocalStore(path, link_root=repo, cache_repo=repo))
+    return _located(spec, Where.LOCAL, LocalStore(path, links_anywhere=outside_links))
+
+
+def cache_repo_of(path: Path) -> Path | None:
+    """The repo folder (`models--org--name`) when `path` is a snapshot of the Hugging Face cache, else None."""
+    path = Path(os.path.abspath(path))
+    repo = path.parent.parent
+    if path.parent.name == "snapshots" and repo.name.count("--") >= 2 and (repo / "blobs").is_dir():
+        return repo
+    return None
+
+
+def kind_of(names) -> Kind:
+    """A folder's kind from its file names: a manifest makes a reshard folder, rank files a saved one."""
+    if MANIFEST_FILE in names:
+        return Kind.RESHARD
+    if any(_SAVED_FILE.match(n) for n in names):
+        return Kind.SAVED
+    return Kind.CHECKPOINT
+
+
+def _located(spec: str, where: Where, store: Store, revision: str | None = None) -> Location:
+    kind = kind_of(store.names())
+    if kind is not Kind.CHECKPOINT and isinstance(store, LocalStore):
+        # a distributed checkpoint's rank files may be links (a node's copy assembled from another disk): what each
+        # must hold is checked against the manifest or the headers; copied files must still be inside
+        store.links_anywhere = True
+    return Location(spec, where, kind, store, revision)
+
+
+# ---- remote stores --------------------------------------------------------------------------------------------------
+
+def _s3_store(url: str) -> RemoteStore:
+    """The prefix of `url` on S3, with the endpoint and credentials of the standard AWS environment."""
+    try:
+        import s3fs
+    except ImportError as e:
+        raise UsageError(f"{url}: reading s3:// needs the s3 extra: `pip install 'reshard[s3]'` (s3fs). Nothing was "
+                         "read.") from e
+    base = url.split("://", 1)[1].strip("/")
+    if not base or "/" not in base and len(base) < 3:
+        raise UsageError(f"{url}: not an s3://bucket/prefix URL. Nothing was read.")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, config_kwargs={
+        "connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+        "retries": {"max_attempts": 1, "mode": "standard"}})  # reshard retries each request itself, bounded
+    fs.retries = 1
+    store = RemoteStore(fs, base, f"s3://{base}")
+    if not store.names():
+        raise CheckpointError(f"{url}: no objects under this prefix (or the bucket cannot be listed at "
+                              f"{endpoint or 'the default AWS endpoint'}). Check the URL, AWS_ENDPOINT_URL_S3 / "
+                              "AWS_ENDPOINT_URL and the credentials. Nothing was read.", path=url)
+    return store
+
+
+def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> Location:
+    """A Hub repo: its metadata files are fetched into the cache (small); the weights are downloaded too for a
+    write that does not stream; a plan, or a streaming write, reads headers and data in ranges (cached files
+    locally)."""
+    from .checkpoint import METADATA_PATTERNS
+
+    root = _snapshot(repo_id, revision, allow=list(METADATA_PATTERNS))
+    commit = root.name if root.parent.name == "snapshots" else revision
+    if data and not stream:
+        root = _snapshot(repo_id, commit, allow=[*METADATA_PATTERNS, *_hub_weight_names(root)], weights=True)
+    if data and not stream or not stream and (_offline() or _weights_cached(root)):
+        repo = cache_repo_of(root)
+        store = LocalStore(root, link_root=repo, cache_repo=repo) if repo else LocalStore(root)
+        return Location(repo_id, Where.HUB, kind_of(store.names()), store, revision)
+    from huggingface_hub import HfFileSystem
+
+    remote = RemoteStore(HfFileSystem(), f"{repo_id}@{commit}" if commit else repo_id, f"hf://{repo_id}",
+                         read_options={"cache_type": "none"})
+    store = CachedHubStore(remote, repo_id, commit) if commit else remote
+    return Location(repo_id, Where.HUB_STREAM, Kind.CHECKPOINT, store, revision)
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE is set: only the local cache can be read (what it lacks is then named, not fetched)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _snapshot(repo_id: str, revision: str | None, *, allow: list[str], weights: bool = False) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = _offline()
+    ignore = [p for p in HUB_IGNORE if p != "*/*" or not any("/" in w for w in allow)] if weights else list(HUB_IGNORE)
+    try:
+        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, ignore_patterns=ignore))
+    except (LocalEntryNotFoundError, FileNotFoundError) as e:
+        # huggingface_hub refuses a partly cached snapshot the same way as a missing one
+        hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache (or only some of the files it needs are)"
+                if offline else "it could not be reached and is not in the local cache")
+        raise CheckpointError(f"{repo_id}: no local folder of that name, and as a Hub repo id {hint}. Check the "
+                              f"path, download it once with network access (`hf download {repo_id}`), or pass a "
+                              "local folder.", path=repo_id) from e
+    except (RepositoryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
+                              "or pass a local folder.", path=repo_id) from e
+    if weights and not any(p.suffix == ".safetensors" for p in root.iterdir()):
+        why = ("HF_HUB_OFFLINE is set, so only what is already cached can be used" if offline
+               else "the repo may hold no safetensors weights")
+        raise CheckpointError(f"{repo_id}: the snapshot at {root} holds no .safetensors files ({why}). Download "
+                              f"them with `hf download {repo_id}`, or pass a local folder.", path=repo_id)
+    return root
+
+
+def _weights_cached(root: Path) -> bool:
+    """Whether a snapshot already holds every weight file its index names (or, without one, any `*.safetensors`)."""
+    import json
+
+    from .checkpoint import INDEX_NAME
+
+    if not (root / INDEX_NAME).is_file():
+        return any(p.suffix == ".safetensors" for p in root.iterdir())
+    try:
+        names = set(json.loads((root / INDEX_NAME).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True  # an invalid index: reading the snapshot reports it
+    return all(isinstance(n, str) and (root / n).exists() for n in names)
+
+
+def _hub_weight_names(root: Path) -> list[str]:
+    """The weight files a Hub snapshot needs, as exact download patterns: those its index names, or the top-level
+    `*.safetensors` without one. An invalid index yields no names; reading the snapshot then reports it."""
+    import json
+
+    from .checkpoint import INDEX_NAME
+
+    if not (root / INDEX_NAME).exists():
+        return ["*.safetensors"]
+    try:
+        weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        names = {name for name in weight_map.values() if isinstance(name, str)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return sorted(re.sub(r"([*?[])", r"[\1]", name) for name in names)
+
+
+# ---- opening --------------------------------------------------------------------------------------------------------
+
+DISTRIBUTED = (Kind.RESHARD, Kind.SAVED)
+
+
+def open_source(spec, *, revision: str | None = None, stream: bool = False, data: bool = True,
+                kinds: tuple[Kind, ...] | None = None) -> Source:
+    """Open any source: locate it (`locate`), read its index from metadata, and for a quantized checkpoint take the
+    bf16 view (`reshard.read.quant.dequantized_view`). What `plan`, `write`, `verify --against`, `merge` (and its
+    `--extras-from`) run.
+
+    Args:
+        spec, revision, stream, data: as for `locate`.
+        kinds: the kinds the caller takes (`DISTRIBUTED` for a merge), refused before any header is read; None: any.
+
+    Returns:
+        A `Source`.
+
+    Raises:
+        CheckpointError: the source is missing, unreachable or malformed; for a reshard or saved folder, a file
+            missing, truncated or unlike its manifest, chunks that leave a gap or overlap.
+        UsageError: a URL of a scheme reshard does not read; `s3://` without the s3 extra.
+
+    Example:
+        >>> source = open_source("s3://models/GLM-4.6")  # doctest: +SKIP
+        >>> source.kind, len(source.index.files)  # doctest: +SKIP
+        (<Kind.CHECKPOINT: 'checkpoint'>, 93)
+    """
+    location = locate(spec, revision=revision, stream=stream, data=data)
+    if kinds is not None and location.kind not in kinds:
+        raise CheckpointError(f"{spec}: neither a reshard folder (`reshard write`) nor a folder saved by transformers' "
+                              "save_pretrained(..., distributed_checkpoint=True): no reshard.json and no "
+                              "shard-RRRRR-model-PPPPP-of-NNNNN.safetensors; pass one of those. To write a checkpoint "
+                              "for a mesh instead: `reshard write SRC OUT --fsdp N`. Nothing was written.", path=spec)
+    if location.kind is not Kind.CHECKPOINT:
+        from .dcp_source import read_dcp_source
+
+        index, layout = read_dcp_source(location)
+        return Source(location, index, layout)
+    index = _checkpoint(location)
+    from .quant import dequantized_view, detect_quantization
+
+    quantization = detect_quantization(index)
+    return Source(location, index if quantization is None else dequantized_view(index, quantization))
+
+
+def _checkpoint(location: Location) -> CheckpointIndex:
+    return checkpoint_index(location.store, source=location.spec, revision=location.revision,
+                            only=location.single_file)
+
+
+def read_checkpoint(spec, *, revision: str | None = None, need_data: bool = False) -> CheckpointIndex:
+    """The index of a checkpoint as it is stored: for a quantized one its quantized tensors (`open_source` gives the
+    bf16 checkpoint it stands for). `need_data`: a Hub repo is downloaded (else its headers are read in ranges).
+
+    Raises:
+        CheckpointError: as `open_source`; also for a reshard or saved folder, which is no checkpoint of its own.
+    """
+    location = locate(spec, revision=revision, data=need_data)
+    if location.kind is not Kind.CHECKPOINT:
+        raise CheckpointError(f"{spec}: a {location.kind.value} folder, not a checkpoint in its own layout; open it "
+                              "with open_source.", path=str(spec))
+    return _checkpoint(location)

@@ -1,0 +1,533 @@
+"""Where a source's bytes are, served as byte ranges: one interface over a local folder and an object store.
+
+Every reader of a source (headers, `config.json`, the index, the manifest, tensor data) asks its `Store` for a name and
+a byte range, so a local folder, a Hugging Face cache snapshot, the Hub and S3 differ only here:
+
+- `LocalStore`: a folder. A name opens only as a regular file (a FIFO, a device or a folder is refused before it
+  could block or never end), and, for a source, a link must resolve inside the folder, or inside `link_root` (a
+  cache snapshot's links into its repo's `blobs/`). The engine copies a local file's bytes inside the kernel, so the
+  store also gives its path (`local_path`).
+- `RemoteStore`: a prefix of an fsspec file system (s3fs, huggingface_hub's `HfFileSystem`). Each read is one ranged
+  request, at most `READ_BLOCK` bytes; transient failures (5xx, a reset connection, a timeout) are retried
+  `ATTEMPTS` times with backoff, and the error names the URL and the attempts. `requests` counts what was asked.
+- `CachedHubStore`: a Hub repo at a commit, read in ranges, except the files the local Hugging Face cache already
+  holds, read from there.
+- `JoinedStore`: two stores as one (a merge's `--extras-from` source beside the trained folder).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from pathlib import Path, PurePosixPath
+
+from ..errors import CheckpointError
+
+READ_BLOCK = 32 << 20  # the largest ranged request: bounds the memory a remote read holds
+HEADER_PROBE = 64 << 10  # a header's first request: the length prefix and, almost always, the whole header
+ATTEMPTS = 4  # tries of one remote request before it is an error
+BACKOFF_S = 0.5  # the first wait between tries; doubled after each
+CONNECT_TIMEOUT_S = 5
+READ_TIMEOUT_S = 10  # ATTEMPTS x this + the backoff stays under a minute: a vanished server is an error in time
+
+
+class Store:
+    """A source's files by name (POSIX-style, relative to the source), read in byte ranges.
+
+    Attributes:
+        location: the folder or URL, as messages show it.
+        requests: the data and metadata requests made so far (a remote store's ranged GETs and listings).
+    """
+
+    location: str
+    requests: int = 0
+    remote: bool = True  # reads cost a request each: batch them, fetch headers concurrently
+
+    def url(self, name: str) -> str:
+        """Where file `name` is, as messages show it."""
+        return f"{self.location.rstrip('/')}/{name}"
+
+    def names(self) -> tuple[str, ...]:
+        """The top-level file names, sorted."""
+        raise NotImplementedError
+
+    def size(self, name: str) -> int:
+        raise NotImplementedError
+
+    def read(self, name: str, start: int, length: int) -> bytes:
+        """Exactly `length` bytes of `name` from `start` (an error if the file ends first)."""
+        raise NotImplementedError
+
+    def readinto(self, name: str, start: int, view: memoryview) -> None:
+        """Fill `view` with the bytes of `name` from `start`."""
+        view[:] = self.read(name, start, len(view))
+
+    def local_path(self, name: str) -> Path | None:
+        """The local file behind `name` (checked as `read` checks it), or None when it is not on this machine."""
+        return None
+
+    def open(self, name: str):
+        """A file object for sequential reads of `name` (`readinto`, `seek`, `tell`, `close`)."""
+        return RangeFile(self, name)
+
+    def read_all(self, name: str, limit: int, what: str) -> bytes:
+        """The whole of small file `name` (a config, an index, a manifest), refused over `limit` bytes."""
+        size = self.size(name)
+        if size > limit:
+            raise CheckpointError(f"{self.url(name)}: {size} bytes, over the {limit} a {what} may have; it is not "
+                                  "one. Nothing was read or changed.", path=self.url(name))
+        return self.read(name, 0, size)
+
+    def check_inside(self, name: str) -> None:
+        """Refuse a name that leads out of the source (a local link); an object store has no links."""
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release what the store holds open (a local store's descriptors)."""
+
+
+def check_name(name: str, where: str) -> str:
+    """`name` as a relative POSIX path inside the source: no `..`, not absolute, not empty."""
+    parts = PurePosixPath(name).parts
+    if not name or name.startswith("/") or "\\" in name or "\0" in name or ".." in parts or not parts:
+        raise CheckpointError(f"{where}: {name!r} is not a file name inside the source (no `..`, not absolute). "
+                              "Nothing was read or changed.", path=where)
+    return name
+
+
+# ---- a local folder ------------------------------------------------------------------------------------------------
+
+def _kind_of(mode: int) -> str | None:
+    """What a non-regular file is ("a FIFO", ...), or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+
+
+def refuse_irregular(path: Path, name: str, mode: int) -> None:
+    if kind := _kind_of(mode):
+        raise CheckpointError(f"{name}: {kind}, not a regular file; reshard reads only regular files from a "
+                              "checkpoint. Replace it with the real file. Nothing was read or changed.", path=str(path))
+
+
+def open_regular(path: Path, name: str):
+    """Open `path` (`name` in messages) for reading, unbuffered, only if it is a regular file; the open cannot block
+    (O_NONBLOCK, then fstat refuses a FIFO swapped in after the check)."""
+    refuse_irregular(path, name, os.stat(path).st_mode)
+
+    def opener(file, flags: int) -> int:
+        fd = os.open(file, flags | os.O_NONBLOCK)
+        try:
+            refuse_irregular(path, name, os.fstat(fd).st_mode)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    return open(path, "rb", buffering=0, opener=opener)  # by path: callers and audits see which file it is
+
+
+class LocalStore(Store):
+    """A local folder's files.
+
+    Args:
+        root: the folder.
+        link_root: a link must resolve inside this folder (default: `root`).
+        links_anywhere: follow links wherever they point (a folder the user assembled, such as a node's staged copy
+            of a reshard folder, whose manifest says what each file must hold); the target must still be a regular
+            file, and the files a write copies as they are must still be inside (`check_inside`).
+        cache_repo: for a Hugging Face cache snapshot, the repo's cache folder, named in messages.
+    """
+
+    def __init__(self, root: Path, *, link_root: Path | None = None, links_anywhere: bool = False,
+                 cache_repo: Path | None = None):
+        self.root = Path(root)
+        self.location = str(self.root)
+        self.remote = False
+        self.link_root = Path(link_root or root)
+        self.links_anywhere = links_anywhere
+        self.cache_repo = cache_repo
+        self._fds: dict[str, int] = {}
+        self._inside: set[str] = set()  # names whose links were checked
+        self._lock = threading.Lock()
+
+    def __getstate__(self):  # open descriptors stay with their process
+        return {**self.__dict__, "_fds": {}, "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def url(self, name: str) -> str:
+        return str(self.root / name)
+
+    def path(self, name: str) -> Path:
+        """The checked path of `name`: inside the folder, and a link only where it may point."""
+        path = self.root / check_name(name, self.location)
+        if not self.links_anywhere:
+            self.check_inside(name)
+        return path
+
+    def check_inside(self, name: str) -> None:
+        """Refuse `name` when it is a link that resolves out of the folder (or `link_root`): what a write copies as
+        it is (a config, a tokenizer) must come from the source, whatever links its weight files may follow."""
+        if name not in self._inside:
+            self._check_link(self.root / check_name(name, self.location), name)
+            self._inside.add(name)
+
+    def _check_link(self, path: Path, name: str) -> None:
+        target = path.resolve()
+        try:
+            target.relative_to(self.link_root.resolve())
+        except ValueError:
+            if self.cache_repo is not None:
+                accepted = (f"in a Hugging Face cache snapshot, links are followed into {self.cache_repo / 'blobs'} "
+                            "(the cache's own layout) only")
+            else:
+                accepted = "a checkpoint folder's files must be inside it (a Hugging Face cache snapshot's links "\
+                           "into its repo's blobs/ are the one exception)"
+            raise CheckpointError(f"{name}: a link out of the checkpoint folder (to {target}); {accepted}. Copy the "
+                                  "file in, or pass the folder the link points into. Nothing was read or changed.",
+                                  path=str(path)) from None
+
+    def names(self) -> tuple[str, ...]:
+        """The top-level entries that are not folders (a FIFO or a device is listed, and refused when read)."""
+        return tuple(sorted(n for n in os.listdir(self.root) if not os.path.isdir(self.root / n)))
+
+    def size(self, name: str) -> int:
+        path = self.path(name)
+        mode = os.stat(path)
+        refuse_irregular(path, name, mode.st_mode)
+        return mode.st_size
+
+    def local_path(self, name: str) -> Path | None:
+        path = self.path(name)
+        refuse_irregular(path, name, os.stat(path).st_mode)
+        return path
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                with open_regular(self.path(name), name) as f:
+                    fd = self._fds[name] = os.dup(f.fileno())
+            return fd
+
+    def read(self, name: str, start: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.readinto(name, start, memoryview(out))
+        return bytes(out)
+
+    def readinto(self, name: str, start: int, view: memoryview) -> None:
+        fd, done = self._fd(name), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.url(name)}: the file ends at byte {start + done}, before the "
+                                      f"{start + len(view)} its header says; it is truncated or changed. Copy it "
+                                      "again. Nothing was kept.", path=self.url(name))
+            done += got
+
+    def open(self, name: str):
+        return open_regular(self.path(name), name)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+# ---- an object store through fsspec ----------------------------------------------------------------------------
+
+def transient(error: BaseException) -> bool:
+    """Whether a failed request may succeed when tried again: a 5xx, 408 or 429 answer, a reset or refused
+    connection, a timeout; never a missing object or a refusal of access."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if status is None and isinstance(getattr(error, "response", None), dict):  # botocore's ClientError
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if type(error).__name__ in ("OfflineModeIsEnabled", "HFValidationError", "NoCredentialsError"):
+        return False  # a setting, not a passing fault
+    return isinstance(error, (OSError, TimeoutError, ConnectionError)) or type(error).__name__ in (
+        "TimeoutError", "ClientPayloadError", "ServerDisconnectedError", "ClientOSError", "EndpointConnectionError",
+        "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError")
+
+
+class RemoteStore(Store):
+    """Files under `base` of an fsspec file system, read in ranged requests.
+
+    Args:
+        fs: the file system (`s3fs.S3FileSystem`, `huggingface_hub.HfFileSystem`).
+        base: the prefix, in the file system's own spelling (`bucket/prefix`, `org/name@commit`).
+        location: the URL messages show (`s3://bucket/prefix`).
+        read_options: passed to `cat_file`: whatever makes it one exact ranged request (HfFileSystem reads through a
+            file object, whose read-ahead cache must be off; s3fs needs none).
+    """
+
+    def __init__(self, fs, base: str, location: str, *, read_options: dict | None = None):
+        self.fs, self.base, self.location = fs, base.rstrip("/"), location.rstrip("/")
+        self.read_options = read_options or {}  # what makes `cat_file` one exact ranged request on this back end
+        self.requests = 0
+        self._sizes: dict[str, int] | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def _path(self, name: str) -> str:
+        return f"{self.base}/{check_name(name, self.location)}"
+
+    def _call(self, what: str, name: str | None, call):
+        """`call()` with the bounded retries; every failure a `CheckpointError` naming the URL and the attempts."""
+        where = self.url(name) if name is not None else self.location
+        delay, last = BACKOFF_S, None
+        for attempt in range(1, ATTEMPTS + 1):
+            with self._lock:
+                self.requests += 1
+            try:
+                return call()
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # noqa: BLE001  fsspec back ends raise many unrelated types
+                last = e
+                if not transient(e) or attempt == ATTEMPTS:
+                    break
+                time.sleep(delay)
+                delay *= 2
+        tries = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
+        raise CheckpointError(f"{where}: {what} failed {tries} ({type(last).__name__}: {str(last)[:300]}). Check the "
+                              "endpoint, the credentials and the network, then run the command again. Nothing was "
+                              "kept.", path=where) from last
+
+    def _listing(self) -> dict[str, int]:
+        if self._sizes is None:
+            def ls():
+                return self.fs.ls(self.base, detail=True, refresh=True)
+            try:
+                found = self._call("listing", None, ls)
+            except FileNotFoundError:
+                found = []
+            sizes = {}
+            for entry in found:
+                if entry.get("type") == "file":
+                    sizes[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+            self._sizes = sizes
+        return self._sizes
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._listing()))
+
+    def size(self, name: str) -> int:
+        if "/" not in name and name in self._listing():
+            return self._listing()[name]
+        if "/" not in name:
+            raise FileNotFoundError(self.url(name))
+        info = self._call("a size request", name, lambda: self.fs.info(self._path(name)))
+        return int(info["size"])
+
+    def read(self, name: str, start: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        path = self._path(name)
+        data = self._call(f"a ranged read of bytes {start}-{start + length - 1}", name,
+                          lambda: self.fs.cat_file(path, start=start, end=start + length, **self.read_options))
+        if len(data) != length:
+            raise CheckpointError(f"{self.url(name)}: asked for {length} bytes at {start}, got {len(data)}: the object "
+                                  "is shorter than its header says (truncated or replaced). Nothing was kept.",
+                                  path=self.url(name))
+        return data
+
+    def readinto(self, name: str, start: int, view: memoryview) -> None:
+        for offset in range(0, len(view), READ_BLOCK):
+            n = min(READ_BLOCK, len(view) - offset)
+            view[offset:offset + n] = self.read(name, start + offset, n)
+
+
+class CachedHubStore(Store):
+    """A Hub repo at one commit: files already in the local cache are read there, the others in ranged requests."""
+
+    def __init__(self, remote: RemoteStore, repo_id: str, commit: str):
+        self.remote, self.repo_id, self.commit = remote, repo_id, commit
+        self.location = remote.location
+        self._local: dict[str, LocalStore | None] = {}
+
+    @property
+    def requests(self) -> int:
+        return self.remote.requests
+
+    def url(self, name: str) -> str:
+        return self.remote.url(name)
+
+    def _cached(self, name: str) -> LocalStore | None:
+        if name not in self._local:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(self.repo_id, name, revision=self.commit)
+            store = None
+            if isinstance(found, str):
+                snapshot = Path(found).parents[len(PurePosixPath(name).parts) - 1]
+                store = LocalStore(snapshot, link_root=snapshot.parents[1], cache_repo=snapshot.parents[1])
+            self._local[name] = store
+        return self._local[name]
+
+    def names(self) -> tuple[str, ...]:
+        return self.remote.names()
+
+    def size(self, name: str) -> int:
+        local = self._cached(name)
+        return local.size(name) if local is not None else self.remote.size(name)
+
+    def read(self, name: str, start: int, length: int) -> bytes:
+        local = self._cached(name)
+        return local.read(name, start, length) if local is not None else self.remote.read(name, start, length)
+
+    def readinto(self, name: str, start: int, view: memoryview) -> None:
+        local = self._cached(name)
+        if local is not None:
+            local.readinto(name, start, view)
+        else:
+            self.remote.readinto(name, start, view)
+
+    def local_path(self, name: str) -> Path | None:
+        local = self._cached(name)
+        return local.local_path(name) if local is not None else None
+
+    def open(self, name: str):
+        local = self._cached(name)
+        return local.open(name) if local is not None else RangeFile(self.remote, name)
+
+    def close(self) -> None:
+        for store in self._local.values():
+            if store is not None:
+                store.close()
+
+
+# ---- sequential reads in large ranges ----------------------------------------------------------------------------
+
+class RangeFile:
+    """A remote file read front to back, one ranged request per `READ_BLOCK` (a rank reading its own file: a few
+    large requests, not one per tensor); `seek` past the buffer starts a new range there. Holds one block."""
+
+    def __init__(self, store: Store, name: str, *, block: int = READ_BLOCK):
+        self.store, self.name, self.block = store, name, block
+        self.size = store.size(name)
+        self._pos = 0
+        self._start = 0
+        self._data = b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._data = b""
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self.size + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, view) -> int:
+        view = memoryview(view).cast("B")
+        if self._pos >= self.size or not len(view):
+            return 0
+        offset = self._pos - self._start
+        if not 0 <= offset < len(self._data):
+            if len(view) >= self.block:  # a large read goes straight into the caller's memory
+                n = min(len(view), self.size - self._pos) // self.block * self.block or len(view)
+                n = min(n, self.size - self._pos)
+                self.store.readinto(self.name, self._pos, view[:n])
+                self._pos += n
+                return n
+            self._start, offset = self._pos, 0
+            self._data = self.store.read(self.name, self._pos, min(self.block, self.size - self._pos))
+        n = min(len(view), len(self._data) - offset)
+        view[:n] = self._data[offset:offset + n]
+        self._pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self._pos if n < 0 else min(n, self.size - self._pos)
+        out = bytearray(max(n, 0))
+        view, done = memoryview(out), 0
+        while done < len(out):
+            got = self.readinto(view[done:])
+            if not got:
+                break
+            done += got
+        return bytes(out[:done])
+
+
+class JoinedStore(Store):
+    """Two stores read as one: a name under `prefix` is `other`'s (a merge's `--extras-from` source beside the trained
+    folder), every other name `main`'s. Only `main`'s names are listed."""
+
+    def __init__(self, main: Store, prefix: str, other: Store):
+        self.main, self.prefix, self.other = main, prefix, other
+        self.location = main.location
+        self.remote = main.remote or other.remote
+
+    @property
+    def requests(self) -> int:
+        return self.main.requests + self.other.requests
+
+    def _route(self, name: str) -> tuple[Store, str]:
+        if name.startswith(self.prefix):
+            return self.other, name[len(self.prefix):]
+        return self.main, name
+
+    def url(self, name: str) -> str:
+        store, name = self._route(name)
+        return store.url(name)
+
+    def names(self) -> tuple[str, ...]:
+        return self.main.names()
+
+    def size(self, name: str) -> int:
+        store, name = self._route(name)
+        return store.size(name)
+
+    def read(self, name: str, start: int, length: int) -> bytes:
+        store, name = self._route(name)
+        return store.read(name, start, length)
+
+    def readinto(self, name: str, start: int, view: memoryview) -> None:
+        store, name = self._route(name)
+        store.readinto(name, start, view)
+
+    def local_path(self, name: str) -> Path | None:
+        store, name = self._route(name)
+        return store.local_path(name)
+
+    def check_inside(self, name: str) -> None:
+        store, name = self._route(name)
+        store.check_inside(name)
+
+    def open(self, name: str):
+        store, name = self._route(name)
+        return store.open(name)
+
+    def close(self) -> None:
+        self.main.close()
+        self.other.close()
