@@ -152,13 +152,13 @@ def test_written_folders_verify_and_carry_the_bf16_config(models, written, name)
         if model != name:
             continue
         summary = verify(folder, against=src, progress=False)
-        assert summary["dequantized_tensors"], "verify must recompute the dequantized chunks"
+        assert summary.dequantized_tensors, "verify must recompute the dequantized chunks"
         manifest = json.loads((folder / "reshard.json").read_text())
         config = json.loads((folder / "config.json").read_text())
         assert "quantization_config" not in config
         assert manifest["source"]["quantization_config"]["quant_method"] == method
         computed = {n for n, t in manifest["tensors"].items() if "dequantized_from" in t}
-        assert computed == set(summary["dequantized_tensors"])
+        assert computed == set(summary.dequantized_tensors)
         assert all(manifest["tensors"][n]["dtype"] == "BF16" for n in computed)
         if mode == "stock" and fsdp == 4:
             assert sum(c["empty_markers"] for c in manifest["coords"]) > 0  # the empty-rank mesh has empty ranks

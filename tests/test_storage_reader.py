@@ -92,7 +92,7 @@ def test_single_process_dcp_load_into_full_tensors_equals_the_source(folders, re
         dcp.load(state, storage_reader=reader)
         for name, tensor in reference.items():
             assert torch.equal(state[name], tensor), (layout, name)
-        assert sorted(reader.checked_files) == sorted(f["name"] for f in reader.manifest.files)
+        assert sorted(reader.checked_files) == sorted(f.name for f in reader.manifest.files)
 
 
 def test_a_flipped_byte_or_a_file_unlike_the_manifest_is_a_load_error(folders, reference, tmp_path):
@@ -132,7 +132,7 @@ def test_torch_consolidates_a_reshard_folder_into_the_source_tensors(folders, re
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
     manifest = reshard.read_manifest(folders["stock"])
-    assert sum(f["empty_markers"] for f in manifest.files) > 0
+    assert manifest.empty_markers > 0
     for layout in ("balanced", "stock"):
         output = tmp_path / layout
         output.mkdir()  # the consolidator needs it to exist
@@ -160,10 +160,10 @@ def test_torch_reader_metadata_agrees_with_the_manifest_and_reshard_reader(folde
                 expected.setdefault(chunk.name, Counter())[(chunk.offsets, chunk.shape)] += 1
         assert theirs.state_dict_metadata.keys() == ours.state_dict_metadata.keys() == expected.keys()
         for name, md in theirs.state_dict_metadata.items():
-            info = manifest.data["tensors"][name]
+            info = manifest.tensors[name]
             found = Counter((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
             assert found == expected[name], (layout, name)
-            assert list(md.size) == info["shape"] == list(ours.state_dict_metadata[name].size)
+            assert tuple(md.size) == info.shape == tuple(ours.state_dict_metadata[name].size)
             assert md.properties.dtype == ours.state_dict_metadata[name].properties.dtype
             non_empty = {k for k in found if 0 not in k[1]}
             assert non_empty == {(tuple(c.offsets), tuple(c.sizes)) for c in ours.state_dict_metadata[name].chunks}
@@ -173,9 +173,9 @@ def test_shard_placement_fn_names_the_balanced_dims(folders):
     from torch.distributed.tensor import Shard
 
     manifest = reshard.read_manifest(folders["balanced"])
-    shapes = {name: info["shape"] for name, info in manifest.data["tensors"].items()}
-    expert = next(n for n, i in manifest.data["tensors"].items() if i["role"] == "expert")
-    dense = next(n for n, i in manifest.data["tensors"].items() if i["role"] == "dense")
+    shapes = {name: info.shape for name, info in manifest.tensors.items()}
+    expert = next(n for n, i in manifest.tensors.items() if i.role == "expert")
+    dense = next(n for n, i in manifest.tensors.items() if i.role == "dense")
     by_shape = reshard.shard_placement_fn(folders["balanced"])
     assert by_shape(torch.empty(shapes[expert], device="meta")) == Shard(1)
     assert by_shape(torch.empty(shapes[dense], device="meta")) is None  # FSDP2's default Shard(0)
@@ -267,7 +267,7 @@ def test_thread_count_reads_a_reshard_folder_exactly_and_checks_every_file(folde
         assert reader.thread_count == 3
         dcp.load(state, storage_reader=reader)
         assert all(torch.equal(state[k], v) for k, v in reference.items()), layout
-        assert sorted(reader.checked_files) == sorted(f["name"] for f in reader.manifest.files)
+        assert sorted(reader.checked_files) == sorted(f.name for f in reader.manifest.files)
 
 
 @pytest.mark.multirank

@@ -66,6 +66,9 @@ class Manifest:
         """The document as `reshard.json` holds it (deterministic: sorted keys)."""
         return dump_manifest(self._document)
 
+    def __reduce__(self):  # to a worker process as its document, validated again there (read-only views do not pickle)
+        return Manifest.from_document, (self._document, self.where)
+
     @functools.cached_property
     def _by_name(self) -> dict[str, FileEntry]:
         return {f.name: f for f in self.files}

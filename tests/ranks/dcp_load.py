@@ -96,12 +96,12 @@ def main():
         mesh_experts = init_device_mesh("cpu", (fsdp // ep, ep), mesh_dim_names=("efsdp", "ep"))
         reads: dict[str, list] = {}
         open_file = storage._open
-        storage._open = lambda path: AuditedFile(open_file(path), reads.setdefault(path.name, []))
+        storage._open = lambda store, name: AuditedFile(open_file(store, name), reads.setdefault(name, []))
         for case_folder in cases:
             case, folder = case_folder.split(":", 1)
             reads.clear()
             manifest = reshard.read_manifest(folder)
-            experts = sorted({n.rsplit(".", 1)[0] for n, i in manifest.data["tensors"].items() if i["role"] == "expert"})
+            experts = sorted({n.rsplit(".", 1)[0] for n, i in manifest.tensors.items() if i.role == "expert"})
             placement_fn = (lambda model: reshard.shard_placement_fn(folder, model)) if case == "reshard" else None
             model = build(folder, mesh_dense, mesh_experts, experts, placement_fn)
             reader = HuggingFaceStorageReader(folder) if case == "torch" else reshard.StorageReader(folder)
@@ -111,14 +111,14 @@ def main():
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                 if full.dtype != reference[name].dtype or not torch.equal(full, reference[name]):
                     mismatched.append(name)
-                if name in manifest.data["tensors"] and manifest.data["tensors"][name]["role"] == "expert":
+                if name in manifest.tensors and manifest.tensors[name].role == "expert":
                     local[name] = [str(tensor.placements), list(tensor.to_local().shape)]
             report["cases"][case_folder] = {
                 "mismatched": mismatched, "tensors": len(reference), "local": local,
                 "reads": {name: ranges for name, ranges in reads.items()},
                 "checked": getattr(reader, "checked_files", None), "unchecked": getattr(reader, "unchecked_files", None),
                 "own": manifest.files_of_rank(rank),
-                "sizes": {f["name"]: f["bytes"] for f in manifest.files},
+                "sizes": {f.name: f.bytes for f in manifest.files},
             }
     except BaseException as e:  # report everything: the test asserts on it
         record_failure(report, e, 4000)

@@ -56,7 +56,7 @@ def main() -> None:
     HuggingFaceStorageReader.read_data = stock_read_data
 
     from reshard.manifest import read_manifest
-    from reshard.plan.placement import Kind, Placement, local_box
+    from reshard.plan.placement import local_box
 
     manifest = read_manifest(out)
     mesh = manifest.mesh
@@ -66,7 +66,7 @@ def main() -> None:
     problems, checked, empty_locals = [], 0, []
     uninitialized = []
     state = model.state_dict(keep_vars=True)
-    for name, info in manifest.data["tensors"].items():
+    for name, info in manifest.tensors.items():
         if name not in state:
             problems.append(f"{name}: not in the loaded model's state dict")
             continue
@@ -74,9 +74,7 @@ def main() -> None:
         if not getattr(value, "_is_hf_initialized", False):
             uninitialized.append(name)
         local = value.to_local() if isinstance(value, DTensor) else value
-        p = info["placement"]
-        placement = Placement(Kind(p["kind"]), p["shard_dim"], p["degree"], p["ep"])
-        box = local_box(tuple(info["shape"]), placement, mesh, coord)
+        box = local_box(info.shape, info.placement, mesh, coord)
         ref = reference[name]
         if any(n == 0 for _, n in box):
             expected = ref.new_empty([n for _, n in box])
@@ -90,7 +88,7 @@ def main() -> None:
         elif not torch.equal(local, expected):
             problems.append(f"{name}: local values differ from the reference slice {box}")
         checked += 1
-    extra = sorted(set(state) - set(manifest.data["tensors"]))
+    extra = sorted(set(state) - set(manifest.tensors))
     if extra:
         problems.append(f"state-dict keys the manifest lacks: {extra[:5]}")
 
