@@ -8,7 +8,9 @@ nothing on import.
    this rank, the converter returns an empty local instead of stacking nothing (`torch.stack([])`) or slicing out
    of range; the parameter is then flagged initialized like any loaded one, so no rank runs weight init alone.
 3. Meta-only materialization: `_move_missing_keys_from_meta_to_device` replaces only tensors still on `meta`; a
-   buffer created off-meta on purpose (a zero router bias) keeps its values.
+   buffer created off-meta on purpose (a zero router bias) keeps its values. Under accelerate's FSDP RAM-efficient
+   loading, a reshard folder's ranks other than 0 materialize their tensors too (transformers would leave them on
+   meta for a broadcast that never comes).
 4. Own-file reads: a reshard folder's distributed-checkpoint load is `dcp.load` of the model's own state dict with
    `reshard.StorageReader` (each rank reads its own files into its local tensors, CRC-32 checked as they pass),
    and skips building the weight-conversion mapping, which that path never uses.
@@ -227,7 +229,7 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
 
     original = _originals[(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device")]
     if (mu.is_deepspeed_zero3_enabled() and hf_quantizer is None) or (
-            mu.is_fsdp_enabled() and not mu.is_local_dist_rank_0() and hf_quantizer is None):
+            _ram_efficient_non_rank_0(mu) and hf_quantizer is None and _active_manifest.get() is None):
         return original(self, missing_keys, device_map, device_mesh, hf_quantizer)
     tied = set(self.all_tied_weights_keys.keys())
 
@@ -252,6 +254,18 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
         place(key, self.get_parameter_or_buffer(key), empty_param)
     for key, buffer in self.named_non_persistent_buffers():
         place(key, buffer, lambda t, device: torch.empty_like(t, device=device))
+
+
+def _ram_efficient_non_rank_0(mu) -> bool:
+    """accelerate's FSDP RAM-efficient loading (`FSDP_CPU_RAM_EFFICIENT_LOADING`, on by default under
+    `accelerate launch --use_fsdp`) on a rank other than its node's rank 0.
+
+    transformers then leaves that rank's parameters on meta, expecting accelerate's FSDP wrapping to broadcast rank
+    0's full state dict later. A reshard folder's load never takes that branch: the model is already sharded by its
+    `DistributedConfig` (the Trainer does not wrap it again, so nothing would broadcast) and every rank reads its own
+    bytes, so every rank materializes its tensors and loads them; otherwise they stay on meta and the first forward
+    fails on every rank but 0."""
+    return mu.is_fsdp_enabled() and not mu.is_local_dist_rank_0()
 
 
 # ---- 4. own-file reads on the distributed-checkpoint path -------------------------------------------------------

@@ -41,6 +41,7 @@ from ..runs.byte_runs import row_major_strides
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader  # `import reshard` imports this module lazily
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 
 def _open(store, name: str):
@@ -400,6 +401,20 @@ def _region(buffer, stored, item):
     return typed.as_strided(tuple(item.lengths), row_major_strides(stored.shape), 0)
 
 
+class _RealDestinations(DefaultLoadPlanner):
+    """Refuses destinations still on meta: DCP's planner would swap each for a new tensor in its own copy of the
+    state dict and load there, so not a byte would reach the model, and the rank would fail alone at its first
+    forward. Raised while planning, so DCP reports it on every rank."""
+
+    def set_up_planner(self, state_dict, *args, **kwargs):
+        on_meta = sorted(fqn for fqn, t in state_dict.items()
+                         if isinstance(t, torch.Tensor) and getattr(t, "_local_tensor", t).is_meta)
+        if on_meta:
+            raise LoadError(f"{len(on_meta)} tensor(s) of the model are still on the meta device, so nothing can be "
+                            f"loaded into them: {', '.join(on_meta[:4])}")
+        return super().set_up_planner(state_dict, *args, **kwargs)
+
+
 def load_model_state(model, manifest: Manifest, store, *, checksums: bool = True, strict: bool = True) -> None:
     """`dcp.load` of `model.state_dict()` in place with a `StorageReader`: what the transformers patch runs on the
     distributed-checkpoint path. DCP gathers every rank's failure into one exception on every rank; it is raised
@@ -411,13 +426,11 @@ def load_model_state(model, manifest: Manifest, store, *, checksums: bool = True
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     from ..launch import raise_if_any
 
     try:
         dcp.load(model.state_dict(), storage_reader=StorageReader(manifest, check_checksums=checksums, store=store),
-                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
+                 planner=_RealDestinations(allow_partial_load=not strict))
     except CheckpointException as e:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         problems: list = [None] * world
