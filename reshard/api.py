@@ -12,7 +12,7 @@ from .plan.mesh import MeshSpec
 from .plan.placement import LayoutMode, make_plan
 from .read.quant import OUTPUT_DTYPES
 from .read.source import DISTRIBUTED, Kind, open_source
-from .results import DemoResult, EnvResult, FilesResult, MergeResult, PlanResult, VerifyResult, WriteResult
+from .results import EnvResult, FilesResult, MergeResult, PlanResult, VerifyResult, WriteResult
 
 
 def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
@@ -263,10 +263,3 @@ def environment() -> EnvResult:
     from .env import environment_report
 
     return EnvResult(environment_report())
-
-
-def demo(*, ranks: int = 4, keep=None, echo=print) -> DemoResult:
-    """Run the whole job on a tiny generated checkpoint (`reshard.demo.run_demo`): what `reshard demo` runs."""
-    from .demo import run_demo
-
-    return run_demo(ranks=ranks, keep=keep, echo=echo)

@@ -366,7 +366,7 @@ def demo(ranks, keep):
     reshard.from_pretrained, checks every tensor against a single-process load, and verifies the folder.
     Nothing is downloaded. Without --keep the files are removed at the end (the last line says where they were).
     """
-    from .api import demo as run_demo
+    from .demo import run_demo
 
     click.echo(run_demo(ranks=ranks, keep=keep, echo=click.echo).summary())
 

@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass
 
 from .errors import ReshardError, UsageError, VerifyError
-from .manifest import MANIFEST_NAME, coverage_problems, header_problems, read_manifest, tied_from_record
+from .manifest import coverage_problems, header_problems, read_manifest, tied_from_record
 from .plan.dtypes import DTYPE_BITS
 from .read.checkpoint import INDEX_NAME, header_of, read_config
 from .read.source import Kind, locate, open_source

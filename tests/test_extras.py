@@ -215,10 +215,11 @@ def test_extras_from_refuses_another_model_or_a_folder_without_them(source, writ
 def test_an_extra_that_names_a_model_tensor_is_refused(written):
     from dataclasses import replace
 
-    from reshard.read.dcp_source import read_dcp_source
+    from reshard.read.source import open_source
     from reshard.write.merge import merge_tensors
 
-    index, layout = read_dcp_source(written)
+    opened = open_source(written)
+    index, layout = opened.index, opened.layout
     clash = replace(layout.extras[0], name="model.embed_tokens.weight")
     with pytest.raises(ReshardError, match="model.embed_tokens.weight is both a tensor of the model and one it does"):
         merge_tensors(index, replace(layout, extras=(clash,)))

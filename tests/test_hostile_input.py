@@ -24,7 +24,6 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-import reshard.write.shards as write_module
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.plan.ranks import RankSpans

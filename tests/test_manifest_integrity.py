@@ -29,7 +29,7 @@ from reshard.errors import LoadError, ManifestError, ReshardError, VerifyError
 from reshard.load.loader import assemble_state_dict
 from reshard.manifest import MANIFEST_NAME, Manifest, file_crc32, read_manifest
 from reshard.plan.mesh import MeshSpec
-from reshard.read.dcp_source import read_dcp_source
+from reshard.read.source import open_source
 from reshard.verification import check_folder
 
 from conftest import hang_guard, rank_reports, run_ranks
@@ -165,7 +165,7 @@ def test_a_flipped_dtype_with_its_crc_restamped_is_refused_by_verify_the_load_an
         reshard.from_pretrained(folder)
     assert isinstance(error := reader_error(folder, reference), LoadError) and said in str(error)
     with pytest.raises(ReshardError, match="I32 in the header"):
-        read_dcp_source(folder)  # merge and a write from this folder (mesh to mesh) read it so
+        open_source(folder)  # merge and a write from this folder (mesh to mesh) read it so
 
 
 @pytest.mark.multirank
@@ -242,7 +242,7 @@ def test_a_file_that_is_not_a_regular_file_is_refused_without_blocking(written, 
             reshard.from_pretrained(folder)
         assert "not a regular file" in str(reader_error(folder, reference))
         with pytest.raises(ReshardError, match="not a regular file"):
-            read_dcp_source(folder)
+            open_source(folder)
 
 
 def test_a_link_inside_the_folder_to_a_regular_file_elsewhere_loads(written, tmp_path):
@@ -414,7 +414,7 @@ def outcome(folder: Path, reference: dict, *, reader: bool = True) -> str:
             assert not raw, f"the reader raised {raw[0]!r}"
             results.append("refused")
         try:
-            read_dcp_source(folder)
+            open_source(folder)
         except ReshardError:
             pass
     kind = "exact" if set(results) == {"exact"} else "refused" if set(results) == {"refused"} else "mixed"

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.manifest import coverage_problem
-from reshard.read.dcp_source import read_dcp_source
+from reshard.read.source import open_source
 from reshard.errors import CheckpointError, OutputError
 from reshard.api import merge_checkpoint
 from reshard.plan.mesh import MeshSpec
@@ -269,7 +269,7 @@ def test_the_source_layout_is_linear_in_on_disk_keys(written):
     _, folder = written
     manifest = json.loads((folder / "reshard.json").read_text())
     record = manifest["source_layout"]
-    index, _ = read_dcp_source(folder)
+    index = open_source(folder).index
     keys = [json.loads(p)[0] for pieces in record["tensors"].values() for p in pieces]
     assert record["version"] == 1 and len(keys) == len(set(keys)) == len(index.original and keys)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in keys

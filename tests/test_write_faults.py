@@ -26,7 +26,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import reshard.write.files as output_files
-import reshard.write.shards as write_module
 from reshard.runs.engine import Engine
 from reshard.api import write_checkpoint
 from reshard.cli import cli

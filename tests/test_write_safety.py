@@ -35,7 +35,6 @@ import reshard.write.shards as write_module
 import reshard.write.staged as staged
 from reshard.api import plan_checkpoint, write_checkpoint
 from reshard.read.checkpoint import METADATA_PATTERNS, parse_header
-from reshard.read.source import read_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
 from reshard.plan.mesh import MeshSpec

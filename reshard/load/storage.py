@@ -31,7 +31,6 @@ import math
 import os
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 
 from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header, torch_dtype
 from ..errors import LoadError, ReshardError

@@ -7,6 +7,7 @@ from transformers at the edge; tests can build it by hand.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -18,6 +19,40 @@ class Role(str, Enum):
     ROUTER = "router"  # the router / gate and its biases: dense
     SHARED_EXPERT = "shared_expert"  # always-on experts: dense
     DENSE = "dense"  # everything else
+
+
+@dataclass(frozen=True)
+class RoleRule:
+    """A tensor whose in-memory name matches `pattern` (`re.search`) has `role`, unless it is a routed expert (the
+    model's expert-parallel plan says which are). `seen_in` names the models the row was added for."""
+
+    role: Role
+    pattern: str
+    seen_in: str
+
+
+# The first matching row decides; a new model's naming quirk is a row here and a fixture in tests/breadth.py.
+ROLE_RULES = (
+    RoleRule(Role.SHARED_EXPERT, r"shared_expert|shared_mlp",
+             "DeepSeek-V3, GLM-4.5 (shared_experts), Qwen2-MoE (shared_expert), Granite-MoE-shared (shared_mlp)"),
+    RoleRule(Role.ROUTER, r"(^|\.)(gate|router|moe_statics)(\.|$)",
+             "Mixtral, Qwen3-MoE, DeepSeek-V3 (mlp.gate), gpt-oss (router), ERNIE 4.5 (moe_statics)"),
+    RoleRule(Role.ROUTER, r"e_score_correction_bias|expert_bias",
+             "DeepSeek-V3, GLM-4.5 (e_score_correction_bias), aux-loss-free routers (expert_bias)"),
+)
+
+
+def role_of(name: str, is_expert: bool) -> Role:
+    """The role of in-memory tensor `name`: a routed expert when the model's plan says so, else the first
+    `ROLE_RULES` row its name matches, else dense."""
+    if is_expert:
+        return Role.EXPERT
+    return next((rule.role for rule in ROLE_RULES if re.search(rule.pattern, name)), Role.DENSE)
+
+
+def is_router(name: str) -> bool:
+    """Whether `name` is a router tensor by `ROLE_RULES` (a router nested in an `experts` module stays dense)."""
+    return role_of(name, False) is Role.ROUTER
 
 
 class MergeLayout(str, Enum):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointError
 from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
                         read_manifest, region_text, tied_from_record)
-from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, whole_tensor
+from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, role_of, whole_tensor
 from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, header_of, read_config
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -69,7 +69,7 @@ def read_dcp_source(location) -> tuple[DcpIndex, ModelLayout]:
     """Read a reshard folder or a `save_pretrained(..., distributed_checkpoint=True)` folder as a source.
 
     Args:
-        location: where the folder is (`reshard.read.source.Location`, of kind reshard or saved), or the folder.
+        location: where the folder is (`reshard.read.source.Location`, of kind reshard or saved).
 
     Returns:
         (the chunk index, the in-memory layout whose pieces are the chunks).
@@ -79,10 +79,6 @@ def read_dcp_source(location) -> tuple[DcpIndex, ModelLayout]:
             a gap, or have mixed dtypes (each named with the region or the files).
         ArchitectureError: a saved folder's model type is unknown to transformers.
     """
-    if not hasattr(location, "store"):
-        from .source import locate
-
-        location = locate(location)
     if location.kind.value == RESHARD:
         return _read_reshard_folder(location.store, location.spec)
     if location.kind.value == SAVED:
@@ -205,7 +201,7 @@ def _saved_offsets(header: FileHeader, where: str) -> dict[str, tuple[int, ...]]
 
 def _read_saved_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
     from ..errors import ArchitectureError
-    from .experts import build_meta_model, expert_param_names, ignore_patterns, tensor_role
+    from .experts import build_meta_model, expert_param_names, ignore_patterns
 
     names = _saved_files(store.names(), spec)
     config = read_config(store)
@@ -238,7 +234,7 @@ def _read_saved_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
             raise CheckpointError(f"{spec}: no file holds any chunk of {name}; a rank file is missing or the save did "
                                   "not finish. Nothing was written.", path=spec)
         shape, dtype, pieces = _place(name, tuple(meta.shape), found, entries, spec)
-        tensors.append(TargetTensor(name, shape, dtype, tensor_role(name, name in experts), name not in buffers,
+        tensors.append(TargetTensor(name, shape, dtype, role_of(name, name in experts), name not in buffers,
                                     pieces))
     # no extras (save_pretrained keeps only what the model loads); the patterns say what `merge` leaves out
     layout = ModelLayout(config["model_type"], type(model).__name__, tuple(tensors), (), expert_parallel,

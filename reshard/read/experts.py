@@ -19,26 +19,13 @@ from contextlib import contextmanager
 
 from .checkpoint import CheckpointIndex
 from ..errors import ArchitectureError, CheckpointError
-from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, whole_tensor
+from ..plan.layout import ModelLayout, Piece, TargetTensor, is_router, role_of, whole_tensor
 
-_ROUTER = re.compile(r"(^|\.)(gate|router|moe_statics)(\.|$)|e_score_correction_bias|expert_bias")
-_SHARED = re.compile(r"shared_expert|shared_mlp")
 # A whole dotted component made of digits (a layer or expert index); `split` keeps it as an odd-numbered part.
 _INDEX = re.compile(r"(?<![^.])(\d+)(?![^.])")
 # Regex constructs that could tell one index from another (a digit class, a length, a literal number): a mapping
 # using one is renamed key by key.
 _INDEX_SPECIFIC = re.compile(r"\\[dDwW]|\[|\{|(?<![A-Za-z0-9_\\])\d")
-
-
-def tensor_role(name: str, is_expert: bool) -> Role:
-    """The role of in-memory tensor `name`: routed expert, shared expert, router or dense (by its name)."""
-    if is_expert:
-        return Role.EXPERT
-    if _SHARED.search(name):
-        return Role.SHARED_EXPERT
-    if _ROUTER.search(name):
-        return Role.ROUTER
-    return Role.DENSE
 
 
 def build_meta_model(config: dict):
@@ -87,7 +74,7 @@ def expert_param_names(model) -> tuple[set[str], bool]:
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "experts":
             names.update(f"{name}.{p}" for p, t in module.named_parameters()
-                         if t.ndim >= 2 and not _ROUTER.search(p))  # a router nested in `experts` stays dense
+                         if t.ndim >= 2 and not is_router(p))  # a router nested in `experts` stays dense
     return names, False
 
 
@@ -152,16 +139,42 @@ def layout_from_model(model, index: CheckpointIndex, *, by_template: bool = True
     key with transformers, the reference the fast path is tested against (tests/test_layout_fast.py).
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    meta_state = model.state_dict()
+    mapping = get_model_conversion_mapping(model, None, None)
+    by_pattern = {p: c for c in mapping if isinstance(c, WeightConverter) for p in c.source_patterns}
+    collected, ignored = _collect(model, index, mapping, meta_state, by_template)
+    experts, expert_parallel = expert_param_names(model)
+    buffers = {name for name, _ in model.named_buffers()}
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    tensors = []
+    for name, meta in meta_state.items():
+        groups = collected.get(name)
+        if groups is None and tied.get(name) in collected:
+            groups = collected[tied[name]]  # a tied weight the checkpoint stores once
+        if groups is None:
+            raise CheckpointError(f"{index.source}: the model's tensor {name!r} has no source in the checkpoint "
+                                  f"({index.config['model_type']}); the checkpoint is incomplete or for another "
+                                  "model.", path=index.source)
+        pieces = _compose(name, tuple(meta.shape), groups, by_pattern, index, index.config["model_type"])
+        dtypes = {index.tensors[p.source].dtype for p in pieces}
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{name}: its on-disk pieces have mixed dtypes {sorted(dtypes)}.", path=index.source)
+        tensors.append(TargetTensor(name, tuple(meta.shape), dtypes.pop(), role_of(name, name in experts),
+                                    name not in buffers, tuple(pieces)))
+    extras = tuple(whole_tensor(key, index.tensors[key].shape, index.tensors[key].dtype) for key in ignored)
+    return ModelLayout(index.config["model_type"], type(model).__name__, tuple(tensors), tuple(ignored),
+                       expert_parallel, extras, ignore_patterns(model))
+
+
+def _collect(model, index: CheckpointIndex, mapping, meta_state, by_template: bool):
+    """Every on-disk key renamed as transformers' loader renames it: (target -> source pattern -> keys in the order
+    transformers collects them, natural key order; the keys that map to no tensor of the model)."""
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-    model_type = index.config["model_type"]
-    meta_state = model.state_dict()
-    buffers = {name for name, _ in model.named_buffers()}
-    experts, expert_parallel = expert_param_names(model)
-    mapping = get_model_conversion_mapping(model, None, None)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
     prefix = model.base_model_prefix
 
     def transformers_rename(key: str) -> tuple[str, str | None]:  # what transformers' loader does with one key
@@ -173,48 +186,24 @@ def layout_from_model(model, index: CheckpointIndex, *, by_template: bool = True
             target, pattern = rename_source_key(key, [], [], prefix, meta_state)
         return target, pattern
 
-    # target -> source pattern -> on-disk keys, in the order transformers collects them (natural key order)
+    fast = by_template and _indices_are_opaque(mapping, prefix, meta_state)
+    if fast:
+        renamed, indices = _rename_by_template(index.tensors, transformers_rename, rename, meta_state)
+    else:
+        renamed = {key: rename(key) for key in sorted(index.tensors, key=dot_natural_key)}
     collected: dict[str, dict[str | None, list[str]]] = defaultdict(lambda: defaultdict(list))
     ignored = []
-    if by_template and _indices_are_opaque(mapping, prefix, meta_state):
-        renamed, indices = _rename_by_template(index.tensors, transformers_rename, rename, meta_state)
-        for key, (target, pattern) in renamed.items():
-            if target in meta_state:
-                collected[target][pattern].append(key)
-            else:
-                ignored.append(key)
+    for key, (target, pattern) in renamed.items():
+        if target in meta_state:
+            collected[target][pattern].append(key)
+        else:
+            ignored.append(key)
+    if fast:
         for groups in collected.values():
             for keys in groups.values():
                 _natural_sort(keys, indices, dot_natural_key)
         ignored.sort(key=dot_natural_key)
-    else:
-        for key in sorted(index.tensors, key=dot_natural_key):
-            target, pattern = rename(key)
-            if target in meta_state:
-                collected[target][pattern].append(key)
-            else:
-                ignored.append(key)
-
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    tensors = []
-    for name, meta in meta_state.items():
-        groups = collected.get(name)
-        if groups is None and tied.get(name) in collected:
-            groups = collected[tied[name]]  # a tied weight the checkpoint stores once
-        if groups is None:
-            raise CheckpointError(f"{index.source}: the model's tensor {name!r} has no source in the checkpoint "
-                                  f"({model_type}); the checkpoint is incomplete or for another model.",
-                                  path=index.source)
-        shape = tuple(meta.shape)
-        pieces = _compose(name, shape, groups, by_pattern, index, model_type)
-        dtypes = {index.tensors[p.source].dtype for p in pieces}
-        if len(dtypes) != 1:
-            raise CheckpointError(f"{name}: its on-disk pieces have mixed dtypes {sorted(dtypes)}.", path=index.source)
-        tensors.append(TargetTensor(name, shape, dtypes.pop(), tensor_role(name, name in experts), name not in buffers,
-                                    tuple(pieces)))
-    extras = tuple(whole_tensor(key, index.tensors[key].shape, index.tensors[key].dtype) for key in ignored)
-    return ModelLayout(model_type, type(model).__name__, tuple(tensors), tuple(ignored), expert_parallel, extras,
-                       ignore_patterns(model))
+    return collected, ignored
 
 
 def ignore_patterns(model) -> tuple[str, ...]:
@@ -330,50 +319,9 @@ def _compose(name, shape, groups, by_pattern, index, model_type) -> list[Piece]:
         _check_cover(name, shape, pieces, index)
         return pieces
     converter = by_pattern[next(iter(groups))]
-    ops = list(converter.operations)
-    # per source pattern: list of (key, offset, stacked_dim) relative to that pattern's own block
-    blocks = {p: [(k, None) for k in groups.get(p, [])] for p in converter.source_patterns}
-    extents = {}
-    step = 0
-    if ops and type(ops[0]).__name__ == "MergeModulelist":
-        dim = ops[0].dim
-        for pattern, keys in blocks.items():
-            placed = []
-            for i, (key, _) in enumerate(keys):
-                placed.append((key, i, dim))
-            blocks[pattern] = placed
-            if keys:
-                src = list(index.tensors[keys[0][0]].shape)
-                src.insert(dim, len(keys))
-                extents[pattern] = src
-        step = 1
-    else:
-        for pattern, keys in blocks.items():
-            if len(keys) > 1:
-                _ambiguous(name, [k for k, _ in keys])
-            blocks[pattern] = [(k, None, None) for k, _ in keys]
-            if keys:
-                extents[pattern] = list(index.tensors[keys[0][0]].shape)
-    concat_dim = None
-    if step < len(ops) and type(ops[step]).__name__ == "Concatenate":
-        concat_dim = ops[step].dim
-        step += 1
-    transpose_ok = step < len(ops) and type(ops[step]).__name__ == "Transpose" and ops[step].check_dims
-    if transpose_ok:
-        step += 1
-    # Inkling 2's unembedding (transformers 5.24) keeps the first `unpadded_vocab_size` rows: a no-op, checked below,
-    # when the checkpoint stores exactly the model's rows (as save_pretrained of the model writes them)
-    unpad = step < len(ops) and type(ops[step]).__name__ == "Inkling2UnpadVocab"
-    if unpad:
-        step += 1
-    if step != len(ops):
-        _refuse_op(name, ops[step], converter, model_type)
-        raise ArchitectureError(
-            f"{model_type}: {name} is built with {[type(o).__name__ for o in ops]}; reshard composes only "
-            "MergeModulelist, Concatenate and shape-checked Transpose so far. This model type is not supported yet."
-        )
-    pieces = []
-    cursor = 0
+    blocks, extents, step = _blocks(name, converter, groups, index)
+    concat_dim, transpose_ok, unpad = _later_ops(name, converter, step, model_type)
+    pieces, cursor, pattern = [], 0, None
     for pattern in converter.source_patterns:
         for key, stack_index, stacked_dim in blocks[pattern]:
             offset = [0] * len(shape)
@@ -384,15 +332,66 @@ def _compose(name, shape, groups, by_pattern, index, model_type) -> list[Piece]:
             pieces.append(Piece(key, tuple(offset), stacked_dim))
         if concat_dim is not None and pattern in extents:
             cursor += extents[pattern][concat_dim]
-    if transpose_ok and concat_dim is None and pattern in extents and tuple(extents[pattern]) != shape:
-        raise ArchitectureError(f"{model_type}: {name} is stored transposed ({extents[pattern]} on disk, "
+    stored = tuple(extents[pattern]) if pattern in extents else shape
+    if transpose_ok and concat_dim is None and stored != shape:
+        raise ArchitectureError(f"{model_type}: {name} is stored transposed ({list(stored)} on disk, "
                                 f"{list(shape)} in memory); transposing is not supported yet.")
-    if unpad and pattern in extents and tuple(extents[pattern]) != shape:
-        raise ArchitectureError(f"{model_type}: {name} is stored padded ({extents[pattern]} on disk, {list(shape)} in "
+    if unpad and stored != shape:
+        raise ArchitectureError(f"{model_type}: {name} is stored padded ({list(stored)} on disk, {list(shape)} in "
                                 "memory; transformers drops the padding rows on load); reshard builds tensors from "
                                 "whole on-disk tensors, so this checkpoint is not supported yet. Nothing was written.")
     _check_cover(name, shape, pieces, index)
     return pieces
+
+
+def _blocks(name, converter, groups, index) -> tuple[dict, dict, int]:
+    """Per source pattern, its keys as `(key, stack index, stacked dim)` and its block's extent; and how many of the
+    converter's ops that took (1 for a leading `MergeModulelist`, which stacks the keys, else 0)."""
+    ops = list(converter.operations)
+    stacking = bool(ops) and type(ops[0]).__name__ == "MergeModulelist"
+    blocks, extents = {}, {}
+    for pattern in converter.source_patterns:
+        keys = groups.get(pattern, [])
+        if not keys:
+            blocks[pattern] = []
+            continue
+        extent = list(index.tensors[keys[0]].shape)
+        if stacking:
+            blocks[pattern] = [(key, i, ops[0].dim) for i, key in enumerate(keys)]
+            extent.insert(ops[0].dim, len(keys))
+        else:
+            if len(keys) > 1:
+                _ambiguous(name, keys)
+            blocks[pattern] = [(keys[0], None, None)]
+        extents[pattern] = extent
+    return blocks, extents, int(stacking)
+
+
+def _later_ops(name, converter, step: int, model_type) -> tuple[int | None, bool, bool]:
+    """What the ops after `step` do: (the `Concatenate` dim or None, a shape-checked `Transpose`, Inkling 2's
+    `UnpadVocab`); any other op is refused by name."""
+    ops = list(converter.operations)
+
+    def takes(kind: str, ok=lambda op: True) -> bool:
+        nonlocal step
+        if step < len(ops) and type(ops[step]).__name__ == kind and ok(ops[step]):
+            step += 1
+            return True
+        return False
+
+    concat = ops[step] if step < len(ops) else None
+    concat_dim = concat.dim if takes("Concatenate") else None
+    transpose_ok = takes("Transpose", lambda op: op.check_dims)
+    # Inkling 2's unembedding (transformers 5.24) keeps the first `unpadded_vocab_size` rows: a no-op, checked by the
+    # caller, when the checkpoint stores exactly the model's rows (as save_pretrained of the model writes them)
+    unpad = takes("Inkling2UnpadVocab")
+    if step != len(ops):
+        _refuse_op(name, ops[step], converter, model_type)
+        raise ArchitectureError(
+            f"{model_type}: {name} is built with {[type(o).__name__ for o in ops]}; reshard composes only "
+            "MergeModulelist, Concatenate and shape-checked Transpose so far. This model type is not supported yet."
+        )
+    return concat_dim, transpose_ok, unpad
 
 
 def _refuse_op(name, op, converter, model_type) -> None:

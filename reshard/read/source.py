@@ -25,7 +25,8 @@ from pathlib import Path
 
 from ..errors import CheckpointError, UsageError
 from .checkpoint import CheckpointIndex, checkpoint_index
-from .store import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, CachedHubStore, LocalStore, RemoteStore, Store
+from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, CachedHubStore, RemoteStore
+from .store import LocalStore, Store
 
 S3_SCHEMES = ("s3://", "s3a://")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
