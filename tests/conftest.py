@@ -159,8 +159,9 @@ def s3(s3_server, monkeypatch):
     Never `kill()` it: a test that needs a server that goes away starts its own `S3Server`."""
     if not s3_server.alive:
         pytest.fail("the session's S3 server is gone: a test killed it (kill() needs a server of its own)")
-    s3_server.wait_idle(30)  # the requests of an earlier test still in flight (a stall) land in its own log
     s3_server.clear_faults()
+    s3_server.release_stalls()
+    s3_server.wait_idle(30)  # an earlier test's requests still in flight land before the log is cleared
     s3_server.clear_log()
     for name in [n for n in os.environ if n.startswith("AWS_")]:
         monkeypatch.delenv(name)
@@ -169,6 +170,7 @@ def s3(s3_server, monkeypatch):
     _forget_s3fs_instances()  # fsspec caches filesystems by arguments, not by environment
     yield s3_server
     s3_server.clear_faults()
+    s3_server.release_stalls()
     _forget_s3fs_instances()
 
 

@@ -166,6 +166,8 @@ class S3Server:
         self._idle = threading.Condition(self._lock)
         self._busy = 0  # requests the proxy is handling now
         self._gone = threading.Event()  # set by kill(): stalls end, open connections are closed
+        self._stalls = threading.Condition()  # stalled requests wait on it, until `seconds` or a release
+        self._releases = 0
         self._conns: set[socket.socket] = set()
         self._httpd: _Proxy | None = None
         self._thread: threading.Thread | None = None
@@ -301,6 +303,7 @@ class S3Server:
         """The server goes away: SIGKILL weed's process group, close the proxy's listening socket and every open
         client connection. Afterwards every request is refused at once (ECONNREFUSED)."""
         self._gone.set()
+        self.release_stalls()
         self._kill_weed()
         if self._httpd is not None:
             self._httpd.shutdown()
@@ -429,8 +432,16 @@ class S3Server:
     def stall_next(self, n: int, seconds: float, *, mid_body: bool = False, key: str | None = None,
                    methods: tuple[str, ...] = ("GET",)) -> None:
         """Hold the next `n` matching requests for `seconds` before answering (`mid_body`: after sending the
-        headers and half the body), then go on as usual; kill() ends a stall at once."""
+        headers and half the body), then go on as usual. `release_stalls()` ends them sooner, kill() at once.
+
+        A long stall and a release once the client has timed out make a test that neither waits nor races."""
         self._add(_Fault("stall", n, frozenset(methods), key, seconds=seconds, mid_body=mid_body))
+
+    def release_stalls(self) -> None:
+        """End every stall in progress now: those requests go on as usual (or end, after kill())."""
+        with self._stalls:
+            self._releases += 1
+            self._stalls.notify_all()
 
     def _add(self, fault: _Fault) -> None:
         if fault.remaining < 1:
@@ -538,7 +549,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                                    seconds=time.monotonic() - started))
 
     def _stall(self, seconds: float) -> None:
-        if self.owner._gone.wait(seconds):
+        owner = self.owner
+        with owner._stalls:
+            releases = owner._releases
+            owner._stalls.wait_for(lambda: owner._releases != releases, timeout=seconds)
+        if owner._gone.is_set():
             raise _Gone
 
     def _reset(self) -> None:
