@@ -173,7 +173,6 @@ class S3Server:
         self._thread: threading.Thread | None = None
         self._sockets: list[Path] = []
         self._ids = itertools.count(1)
-        self._stopped = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -308,26 +307,24 @@ class S3Server:
         self._gone.set()
         self.release_stalls()
         self._kill_weed()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
         with self._lock:
+            httpd, self._httpd = self._httpd, None
             conns = list(self._conns)
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
         for conn in conns:  # kept-alive connections would otherwise still get answers (502s)
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
     def stop(self) -> None:
-        """Kill everything and delete the data dir. Idempotent; also runs at exit."""
-        if self._stopped:
-            return
-        self._stopped = True
+        """Kill everything and delete the data dir. Safe to repeat, from any thread; also runs at exit, and stays
+        registered until a call has finished (one cut short in a daemon thread at exit is done again)."""
         try:
             self.kill()
         finally:
-            atexit.unregister(self.stop)
             shutil.rmtree(self.data_dir, ignore_errors=True)
+            atexit.unregister(self.stop)
 
     @property
     def alive(self) -> bool:

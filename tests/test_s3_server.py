@@ -23,8 +23,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -381,11 +382,19 @@ def giving_up(request):
     if not any(item.name == "test_kill_and_how_long_s3fs_takes_to_give_up" for item in request.session.items):
         yield None
         return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="s3-give-up")
-    measuring = pool.submit(measure_giving_up, shutil.which("weed"))  # found now: later tests change PATH
+    measuring: Future = Future()
+    weed = shutil.which("weed")  # found now: later tests change PATH
+
+    def measure():
+        try:
+            measuring.set_result(measure_giving_up(weed))
+        except BaseException as e:  # handed to the test
+            measuring.set_exception(e)
+
+    # A daemon thread: an interrupted session does not wait for its backoff sleeps; its server's atexit stop()
+    # still runs. It ends only after that server stopped: weed is tied to the thread that started it.
+    threading.Thread(target=measure, name="s3-give-up", daemon=True).start()
     yield measuring
-    # The thread ends after its server stopped: weed is tied to the thread that started it (PR_SET_PDEATHSIG).
-    pool.shutdown(wait=True)
 
 
 def test_kill_and_how_long_s3fs_takes_to_give_up(giving_up):
