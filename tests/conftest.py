@@ -144,3 +144,49 @@ def file_chunks(document: dict, entry: dict) -> list:
 
     manifest = Manifest.from_document(document, "<test>")
     return manifest.chunks(manifest.file_entry(entry["name"]))
+# ---- a real S3 server: SeaweedFS behind a logging, fault-injecting proxy (tests/s3_server.py) ----------------------
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The S3 server of the session, started once (a few seconds) and killed at the end. Tests use `s3`."""
+    from s3_server import S3Server
+
+    server = S3Server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The session's S3 server with an empty log and no faults, and this process's environment pointed at it (as
+    access key "test"; the developer's own AWS_* variables removed), so `s3fs.S3FileSystem()` reads from it.
+
+    Never `kill()` it: a test that needs a server that goes away starts its own `S3Server`."""
+    if not s3_server.alive:
+        pytest.fail("the session's S3 server is gone: a test killed it (kill() needs a server of its own)")
+    s3_server.clear_faults()
+    s3_server.release_stalls()
+    s3_server.wait_idle(30)  # an earlier test's requests still in flight land before the log is cleared
+    s3_server.clear_log()
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name, value in s3_server.env("test").items():
+        monkeypatch.setenv(name, value)
+    _forget_s3fs_instances()  # fsspec caches filesystems by arguments, not by environment
+    yield s3_server
+    s3_server.clear_faults()
+    s3_server.release_stalls()
+    _forget_s3fs_instances()
+
+
+@pytest.fixture
+def s3_bucket(s3, request):
+    """A fresh, empty bucket named after the test."""
+    return s3.new_bucket(request.node.name)
+
+
+def _forget_s3fs_instances() -> None:
+    if "s3fs" in sys.modules:
+        sys.modules["s3fs"].S3FileSystem.clear_instance_cache()

@@ -34,8 +34,9 @@ def transient(error: BaseException) -> bool:
     if type(error).__name__ in ("OfflineModeIsEnabled", "HFValidationError", "NoCredentialsError"):
         return False  # a setting, not a passing fault
     return isinstance(error, (OSError, TimeoutError, ConnectionError)) or type(error).__name__ in (
-        "TimeoutError", "ClientPayloadError", "ServerDisconnectedError", "ClientOSError", "EndpointConnectionError",
-        "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError")
+        "TimeoutError", "FSTimeoutError", "ClientPayloadError", "ServerDisconnectedError", "ClientOSError",
+        "ClientConnectorError", "ServerTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
+        "ReadTimeoutError", "ConnectionClosedError")
 
 
 class RemoteStore(Store):

@@ -242,9 +242,10 @@ def _s3_store(url: str) -> RemoteStore:
     if not base or "/" not in base and len(base) < 3:
         raise UsageError(f"{url}: not an s3://bucket/prefix URL. Nothing was read.")
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, config_kwargs={
-        "connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
-        "retries": {"max_attempts": 1, "mode": "standard"}})  # reshard retries each request itself, bounded
+    # reshard retries each request itself, bounded (`reshard.read.remote.ATTEMPTS`): s3fs's and botocore's own
+    # nested retries would multiply into minutes; the instance is fresh, so the environment of this call decides
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True, config_kwargs={
+        "connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S, "retries": {"total_max_attempts": 1}})
     fs.retries = 1
     store = RemoteStore(fs, base, f"s3://{base}")
     if not store.names():
