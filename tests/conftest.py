@@ -144,6 +144,8 @@ def file_chunks(document: dict, entry: dict) -> list:
 
     manifest = Manifest.from_document(document, "<test>")
     return manifest.chunks(manifest.file_entry(entry["name"]))
+
+
 # ---- a real S3 server: SeaweedFS behind a logging, fault-injecting proxy (tests/s3_server.py) ----------------------
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,9 @@ from `reshard.launch`.
 
 from __future__ import annotations
 
+import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import LoadError, ReshardError
@@ -66,10 +68,10 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
                                check_checksums=check_checksums, **kwargs)
         with group_owned(created=not had_group):
             agreed = agree_to_load(folder, distributed_config)
-            with active_manifest(agreed.manifest, agreed.store, checksums=check_checksums):
+            with active_manifest(agreed.manifest, agreed.store, checksums=check_checksums), \
+                    local_folder(agreed.store, agreed.manifest) as local:
                 return _model_class(agreed.manifest, model_class).from_pretrained(
-                    local_folder(agreed.store, agreed.manifest), distributed_config=agreed.distributed_config,
-                    **kwargs)
+                    local, distributed_config=agreed.distributed_config, **kwargs)
     finally:
         if installed_here:
             uninstall_unless_user()
@@ -88,18 +90,38 @@ def _manifest_of(store) -> Manifest:
     return read_manifest(store)  # its ManifestError is a LoadError too
 
 
-def local_folder(store, manifest: Manifest) -> Path:
+FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+@contextmanager
+def local_folder(store, manifest: Manifest):
     """The folder transformers reads `config.json` (and the rest of the copied files) from: the folder itself, or, for
-    a remote one, a local copy of just those small files and the manifest."""
+    a remote one, a temporary local copy of just those small files and the manifest, removed after the load."""
     root = getattr(store, "root", None)
     if root is not None:
-        return root
+        yield root
+        return
+    import shutil
     import tempfile
 
     staged = Path(tempfile.mkdtemp(prefix="reshard-load-"))
-    for name in (MANIFEST_NAME, *manifest.copied):
-        (staged / name).write_bytes(store.read(name, 0, store.size(name)))
-    return staged
+    try:
+        for name in (MANIFEST_NAME, *manifest.copied):
+            (staged / name).write_bytes(store.read(name, 0, store.size(name)))
+        _name_the_dtype(staged / "config.json", manifest)
+        yield staged
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _name_the_dtype(config: Path, manifest: Manifest) -> None:
+    """transformers reads a rank file for the dtype a config lacks; a remote folder has no local one to read."""
+    if not config.is_file():
+        return
+    document = json.loads(config.read_text())
+    if document.get("dtype") is None and document.get("torch_dtype") is None:
+        floating = next((t.dtype for t in manifest.tensors.values() if t.dtype in FLOAT_DTYPES), "F32")
+        config.write_text(json.dumps({**document, "dtype": FLOAT_DTYPES[floating]}, indent=2))
 
 
 def assemble_state_dict(folder, *, check_checksums: bool = True) -> dict:
@@ -178,7 +200,10 @@ def _assembled(store, manifest: Manifest) -> dict:
 def _load_whole(store, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):
     from transformers import AutoConfig
 
-    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(local_folder(store, manifest))
+    if kwargs.get("config") is None:
+        with local_folder(store, manifest) as local:
+            kwargs["config"] = AutoConfig.from_pretrained(local)
+    config = kwargs.pop("config")
     state_dict = assemble_state_dict(store, check_checksums=check_checksums)
     with active_manifest(manifest, store):
         return model_class.from_pretrained(None, config=config, state_dict=state_dict, **kwargs)

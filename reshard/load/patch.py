@@ -28,6 +28,8 @@ import os
 import threading
 from contextlib import contextmanager
 
+from ..manifest import MANIFEST_NAME
+
 # The manifest of the reshard folder being loaded and the store its files are read from, set around `from_pretrained`.
 _active_manifest: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("reshard_manifest", default=None)
 # Tensor name -> the dim FSDP splits, for the tensors the manifest splits on a dim other than 0.
@@ -98,6 +100,9 @@ def install() -> bool:
         _set(mixin, "_load_model_checkpoint_distributed",
              _wrap_load_distributed(mixin.__dict__["_load_model_checkpoint_distributed"]))
         _set(mu, "get_model_conversion_mapping", _wrap_conversion_mapping(mu.__dict__["get_model_conversion_mapping"]))
+        _set(mu, "get_distributed_checkpoint_dir", _wrap_checkpoint_dir(mu.__dict__["get_distributed_checkpoint_dir"]))
+        _set(mu, "_get_resolved_distributed_checkpoint_files",
+             _wrap_checkpoint_files(mu.__dict__["_get_resolved_distributed_checkpoint_files"]))
         _set(mu.PreTrainedModel, "from_pretrained",
              _wrap_from_pretrained(mu.PreTrainedModel.__dict__["from_pretrained"]))
         return True
@@ -300,6 +305,36 @@ def _wrap_conversion_mapping(original):
         return original(model, key_mapping, *args, **kwargs)
 
     return get_model_conversion_mapping
+
+
+def _remote_staged(folder) -> bool:
+    """Whether `folder` is the local copy of the metadata of the remote reshard folder being loaded (its rank files
+    stay in the object store, read by the storage reader through the active store)."""
+    active = _active_manifest.get()
+    return (active is not None and getattr(active[1], "remote", False) and folder is not None
+            and os.path.isfile(os.path.join(os.fspath(folder), MANIFEST_NAME)))
+
+
+def _wrap_checkpoint_dir(original):
+    @functools.wraps(original)
+    def get_distributed_checkpoint_dir(pretrained_model_name_or_path, subfolder, gguf_file, state_dict):
+        # transformers picks its distributed-checkpoint path by the rank files it sees in the folder; a remote reshard
+        # folder's local copy holds only the metadata, so it is named here
+        if _remote_staged(pretrained_model_name_or_path) and not subfolder and gguf_file is None and state_dict is None:
+            return pretrained_model_name_or_path
+        return original(pretrained_model_name_or_path, subfolder, gguf_file, state_dict)
+
+    return get_distributed_checkpoint_dir
+
+
+def _wrap_checkpoint_files(original):
+    @functools.wraps(original)
+    def _get_resolved_distributed_checkpoint_files(distributed_checkpoint_dir, hf_quantizer=None):
+        if _remote_staged(distributed_checkpoint_dir) and hf_quantizer is None:
+            return []  # no local file: the storage reader reads the store (the config names the dtype)
+        return original(distributed_checkpoint_dir, hf_quantizer)
+
+    return _get_resolved_distributed_checkpoint_files
 
 
 # ---- the manifest travels with from_pretrained ----------------------------------------------------------------

@@ -139,12 +139,18 @@ def json_document(raw, what: str, remedy: str, *, path: str):
     deep) is refused with this error, not a `RecursionError` traceback.
     """
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_a_number)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{what} is not valid JSON ({e}); {remedy}.", path=path) from e
+    except ValueError as e:  # NaN, Infinity: Python reads them, JSON has no such numbers
+        raise CheckpointError(f"{what} holds {e}, which is no JSON number; {remedy}.", path=path) from e
     except RecursionError as e:
         raise CheckpointError(f"{what} is JSON nested deeper than reshard reads (a safetensors header or config is "
                               f"nested a few levels); {remedy}.", path=path) from e
+
+
+def _not_a_number(constant: str):
+    raise ValueError(constant)
 
 
 def torch_dtype(code: str):

@@ -43,7 +43,13 @@ def build_meta_model(config: dict):
     config_class = CONFIG_MAPPING[model_type]
     # config.json stores inf/nan as {"__float__": "Infinity"}; transformers decodes that when it reads the file
     decode = getattr(config_class, "_decode_special_floats", None)
-    hf_config = config_class.from_dict(decode(dict(config)) if decode else dict(config))
+    try:
+        hf_config = config_class.from_dict(decode(dict(config)) if decode else dict(config))
+    except Exception as e:  # noqa: BLE001  transformers' strict fields raise their own types (a str for an int, ...)
+        reason = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"config.json: transformers refuses it for {model_type} ({type(e).__name__}: {reason}). "
+                              "Fix that value in config.json (a number where a number belongs, finite, of the right "
+                              "type). Nothing was read or changed.", path="config.json") from e
     candidates = [getattr(transformers, name, None) for name in config.get("architectures") or []]
     candidates = [c for c in candidates if c is not None] + [transformers.AutoModelForCausalLM]
     errors = []

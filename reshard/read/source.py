@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 
 from ..errors import CheckpointError, UsageError
+from ..manifest import MANIFEST_NAME
 from .checkpoint import CheckpointIndex, checkpoint_index
 from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, CachedHubStore, RemoteStore
 from .store import LocalStore, Store
@@ -32,7 +33,6 @@ S3_SCHEMES = ("s3://", "s3a://")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
-MANIFEST_FILE = "reshard.json"  # reshard.manifest.MANIFEST_NAME (read imports the manifest package, not back)
 # Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
 HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
 
@@ -213,7 +213,7 @@ def cache_repo_of(path: Path) -> Path | None:
 
 def kind_of(names) -> Kind:
     """A folder's kind from its file names: a manifest makes a reshard folder, rank files a saved one."""
-    if MANIFEST_FILE in names:
+    if MANIFEST_NAME in names:
         return Kind.RESHARD
     if any(_SAVED_FILE.match(n) for n in names):
         return Kind.SAVED
