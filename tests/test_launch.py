@@ -178,8 +178,9 @@ def test_files_lists_what_a_node_needs(tiny, tmp_path):
     out = tmp_path / "out"
     write_checkpoint(src, out, MeshSpec(fsdp=4, dp_replicate=2), progress=False)
     result = CliRunner().invoke(cli, ["files", str(out), "--ranks", "1,2,5"])
+    assert "ranks count from 0 and shard files from 1" in result.stderr  # said beside the list, not in it
     assert result.exit_code == 0, result.output
-    listed = result.output.split()
+    listed = result.stdout.split()
     assert listed[0] == "reshard.json" and "config.json" in listed
     shards = [n for n in listed if n.startswith("shard-")]
     assert shards == ["shard-00002-model-00001-of-00001.safetensors",  # ranks 1 and 5 (replica 2) share coord 1
@@ -199,7 +200,7 @@ def test_node_local_copies_load_exactly_reading_only_their_own_folder(tiny, tmp_
     write_checkpoint(src, out, MeshSpec(fsdp=4, ep=2), progress=False)
     nodes = tmp_path / "nodes"
     for rank in range(4):
-        listed = CliRunner().invoke(cli, ["files", str(out), "--ranks", str(rank)]).output.split()
+        listed = CliRunner().invoke(cli, ["files", str(out), "--ranks", str(rank)]).stdout.split()
         for name in listed:
             (nodes / f"rank{rank}" / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(out / name, nodes / f"rank{rank}" / name)

@@ -406,7 +406,10 @@ def test_the_whole_model_path_checks_checksums_and_coverage(tiny, tmp_path):
 
 
 def test_coverage_check_finds_gaps_and_duplicates():
-    from reshard.manifest import coverage_problems
+    from types import SimpleNamespace
+
+    from reshard.manifest import TensorInfo, coverage_problems, placement_of
+    from reshard.plan.mesh import MeshSpec
 
     def doc(runs, *, degree=2, kind="expert"):
         """fsdp 4 x ep 2 (efsdp 2): one [6, 6] expert tensor and a replicated buffer; `runs[c]`: coordinate c's files
@@ -417,6 +420,16 @@ def test_coverage_check_finds_gaps_and_duplicates():
                             "bias": {"shape": [6], "placement": {"kind": "replicated", "shard_dim": None,
                                                                  "degree": 1, "ep": 1}}},
                 "files": [{"coord": c, "first": f, "count": n} for c, found in enumerate(runs) for f, n in found]}
+
+    def typed(document):  # the fields coverage reads: no file names, sizes or CRCs needed
+        return SimpleNamespace(
+            mesh=MeshSpec(**document["mesh"]), order=tuple(document["order"]),
+            files=[SimpleNamespace(**f) for f in document["files"]],
+            tensors={n: TensorInfo(n, tuple(t["shape"]), "F32", "expert", True, placement_of(t["placement"]))
+                     for n, t in document["tensors"].items()})
+
+    def coverage_problems(document, check=coverage_problems):
+        return check(typed(document))
 
     whole = [[(0, 2)]] * 4
     assert coverage_problems(doc(whole)) == []

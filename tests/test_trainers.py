@@ -200,6 +200,7 @@ def test_meta_destinations_are_refused(source):
     from reshard.errors import LoadError
     from reshard.load.storage import load_model_state
     from reshard.manifest import read_manifest
+    from reshard.read.store import LocalStore
 
     root, src, _ = source
     folder = root / "one-rank"
@@ -207,9 +208,9 @@ def test_meta_destinations_are_refused(source):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     with pytest.raises(LoadError, match="still on the meta device"):
-        load_model_state(model, read_manifest(folder))
+        load_model_state(model, read_manifest(folder), LocalStore(folder))
     model.to_empty(device="cpu")  # real destinations load, and equal the source
-    load_model_state(model, read_manifest(folder))
+    load_model_state(model, read_manifest(folder), LocalStore(folder))
     state, reference = model.state_dict(), AutoModelForCausalLM.from_pretrained(src).state_dict()
     assert state.keys() == reference.keys()
     for key, tensor in reference.items():
