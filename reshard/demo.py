@@ -30,39 +30,16 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
     Raises:
         ReshardError: any step failed (the message says which and why).
     """
-    from .api import plan_checkpoint, verify, write_checkpoint
-    from .plan.mesh import MeshSpec
     from .results import DemoResult
-    from .tiny import make_tiny_checkpoint
 
     if ranks < 2:
         raise ReshardError("--ranks must be at least 2 for a multi-rank load.")
     started = time.monotonic()
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="reshard-demo-"))
     root.mkdir(parents=True, exist_ok=True)
-    src, out, reports = root / "tiny-qwen3-moe", root / f"tiny-qwen3-moe-fsdp{ranks}", root / "reports"
     try:
-        experts = max(1, ranks // 2)
-        mesh = MeshSpec(fsdp=ranks)
-        echo(f"1/5 generating a tiny Qwen3-MoE checkpoint ({experts} experts, 2 layers) in {src}")
-        if not src.exists():
-            make_tiny_checkpoint("qwen3_moe", src, experts=experts)
-        echo(f"\n2/5 reshard plan {src.name} --fsdp {ranks}\n")
-        planned = plan_checkpoint(src, mesh)
-        echo(planned.summary().rsplit("\n\nnext:", 1)[0].replace(str(src), src.name))
-        echo(f"\n3/5 reshard write {src.name} {out.name} --fsdp {ranks}")
-        written = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
-        echo(f"    {len(written.manifest.files)} files, {written.manifest.empty_markers} explicit empty marker(s)")
-        echo(f"\n4/5 loading on {ranks} CPU processes (gloo) with reshard.from_pretrained")
-        shutil.rmtree(reports, ignore_errors=True)
-        reports.mkdir()
-        _launch(ranks, out, src, reports, timeout)
-        per_rank = tuple(json.loads((reports / f"rank{r}.json").read_text()) for r in range(ranks))
-        echo(f"\n5/5 reshard verify {out.name} --against {src.name}")
-        checked = verify(out, against=src)
-        echo(f"    OK: {checked.tensors} model tensors covered exactly once, {checked.bytes_compared} bytes equal "
-             "to the source")
-        lines = _report(planned.plan, written.manifest, per_rank, ranks, time.monotonic() - started)
+        plan, manifest, per_rank = _steps(root, ranks, echo, timeout)
+        lines = _report(plan, manifest, per_rank, ranks, time.monotonic() - started)
         lines.append(f"  the checkpoint, the output and the rank reports are in {root}" if keep else
                      f"  the generated checkpoint and its output were in {root} and are removed now; to keep them and "
                      "try the next commands on them: reshard demo --keep DIR")
@@ -70,6 +47,35 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _steps(root: Path, ranks: int, echo, timeout: float):
+    """The demo's five steps in `root`, each announced: (the plan, the manifest written, each rank's report)."""
+    from .api import plan_checkpoint, verify, write_checkpoint
+    from .plan.mesh import MeshSpec
+    from .tiny import make_tiny_checkpoint
+
+    src, out, reports = root / "tiny-qwen3-moe", root / f"tiny-qwen3-moe-fsdp{ranks}", root / "reports"
+    experts, mesh = max(1, ranks // 2), MeshSpec(fsdp=ranks)
+    echo(f"1/5 generating a tiny Qwen3-MoE checkpoint ({experts} experts, 2 layers) in {src}")
+    if not src.exists():
+        make_tiny_checkpoint("qwen3_moe", src, experts=experts)
+    echo(f"\n2/5 reshard plan {src.name} --fsdp {ranks}\n")
+    planned = plan_checkpoint(src, mesh)
+    echo(planned.summary().rsplit("\n\nnext:", 1)[0].replace(str(src), src.name))
+    echo(f"\n3/5 reshard write {src.name} {out.name} --fsdp {ranks}")
+    written = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
+    echo(f"    {len(written.manifest.files)} files, {written.manifest.empty_markers} explicit empty marker(s)")
+    echo(f"\n4/5 loading on {ranks} CPU processes (gloo) with reshard.from_pretrained")
+    shutil.rmtree(reports, ignore_errors=True)
+    reports.mkdir()
+    _launch(ranks, out, src, reports, timeout)
+    per_rank = tuple(json.loads((reports / f"rank{r}.json").read_text()) for r in range(ranks))
+    echo(f"\n5/5 reshard verify {out.name} --against {src.name}")
+    checked = verify(out, against=src)
+    echo(f"    OK: {checked.tensors} model tensors covered exactly once, {checked.bytes_compared} bytes equal "
+         "to the source")
+    return planned.plan, written.manifest, per_rank
 
 
 def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float) -> None:

@@ -129,15 +129,22 @@ def quantize_checkpoint(src: str | Path, dest: str | Path, *, method: str, block
         total = sum((dest / name).stat().st_size for name in set(weight_map.values()))
         (dest / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    config = json.loads((dest / "config.json").read_text())
+    _add_quantization_config(dest / "config.json", method, block)
+    return dest
+
+
+def _add_quantization_config(path: Path, method: str, block: tuple[int, int]) -> None:
+    """The `quantization_config` the releases of each format carry, in `config.json`."""
+    import json
+
+    config = json.loads(path.read_text())
     if method == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(block)}
     else:
         config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+    path.write_text(json.dumps(config, indent=2))
 
 
 def _fp8_target(key: str, tensor) -> bool:

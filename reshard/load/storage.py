@@ -468,28 +468,31 @@ def shard_placement_fn(out: str | os.PathLike | Manifest, model=None):
         from ..read.source import locate
 
         out = read_manifest(locate(out, outside_links=True).store)  # a ManifestError is a LoadError
-    manifest = out
-    dims = {name: info.placement.shard_dim for name, info in manifest.tensors.items() if not info.is_replicated}
-    by_shape: dict[tuple[int, ...], set[int]] = {}
-    for name, dim in dims.items():
-        by_shape.setdefault(manifest.tensors[name].shape, set()).add(dim)
-    names: dict[int, str] = {}
+    return _SplitDims(out, model)
 
-    def placement(param):
+
+class _SplitDims:
+    """`shard_placement_fn`'s function: a parameter's split dim by its name in `model`, or by its shape alone."""
+
+    def __init__(self, manifest: Manifest, model):
+        self.manifest, self.model, self.names = manifest, model, {}
+        self.dims = {n: info.placement.shard_dim for n, info in manifest.tensors.items() if not info.is_replicated}
+        self.by_shape: dict[tuple[int, ...], set[int]] = {}
+        for name, dim in self.dims.items():
+            self.by_shape.setdefault(manifest.tensors[name].shape, set()).add(dim)
+
+    def __call__(self, param):
         from torch.distributed.tensor import Shard
 
-        if model is not None:
-            if id(param) not in names:  # EP and earlier fully_shard calls replace parameters: look again
-                names.clear()
-                names.update({id(p): n for n, p in model.named_parameters()})
-            dim = dims.get(names.get(id(param)))
+        if self.model is not None:
+            if id(param) not in self.names:  # EP and earlier fully_shard calls replace parameters: look again
+                self.names = {id(p): n for n, p in self.model.named_parameters()}
+            dim = self.dims.get(self.names.get(id(param)))
         else:
-            found = by_shape.get(tuple(param.shape), set())
+            found = self.by_shape.get(tuple(param.shape), set())
             if len(found) > 1:
-                raise LoadError(f"{manifest.where} splits tensors of shape {list(param.shape)} on dims "
+                raise LoadError(f"{self.manifest.where} splits tensors of shape {list(param.shape)} on dims "
                                 f"{sorted(found)}: pass the model, reshard.shard_placement_fn(out, model), to tell "
                                 "them apart by name.")
             dim = next(iter(found), None)
         return Shard(dim) if dim not in (None, 0) else None
-
-    return placement

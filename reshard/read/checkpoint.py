@@ -203,23 +203,7 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{file}: the header's __metadata__ is not a string-to-string map; the file is corrupt.",
                               path=file)
-    entries = []
-    for name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{file}: entry {name!r} lacks dtype, shape or data_offsets; the file is corrupt.",
-                                  path=file) from e
-        check_dtype(dtype, file=file, name=name)
-        ints = (*shape, begin, end)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in ints) or begin > end:
-            raise CheckpointError(f"{file}: entry {name!r} has shape {list(shape)} and offsets [{begin}, {end}], "
-                                  "which are not valid.", path=file)
-        expected = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
-        if end - begin != expected:
-            raise CheckpointError(f"{file}: entry {name!r} holds {end - begin} bytes but {dtype} {list(shape)} needs "
-                                  f"{expected}; the file is corrupt.", path=file)
-        entries.append(TensorEntry(name, file, dtype, shape, data_start + begin))
+    entries = [_entry(name, info, file, data_start) for name, info in header.items()]
     entries.sort(key=lambda t: t.data_start)
     cursor = data_start
     for entry in entries:
@@ -231,6 +215,24 @@ def parse_header(raw: bytes, *, file: str, file_size: int | None) -> FileHeader:
         raise CheckpointError(f"{file}: the header describes {cursor} bytes but the file has {file_size}; the file "
                               "is truncated, download or copy it again.", path=file)
     return FileHeader(file, file_size, data_start, dict(metadata), tuple(entries), hashlib.sha256(raw).hexdigest())
+
+
+def _entry(name: str, info, file: str, data_start: int) -> TensorEntry:
+    """One header entry, checked: a known byte-sized dtype, natural sizes, and offsets that hold exactly its bytes."""
+    try:
+        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: entry {name!r} lacks dtype, shape or data_offsets; the file is corrupt.",
+                              path=file) from e
+    check_dtype(dtype, file=file, name=name)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)) or begin > end:
+        raise CheckpointError(f"{file}: entry {name!r} has shape {list(shape)} and offsets [{begin}, {end}], "
+                              "which are not valid.", path=file)
+    expected = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
+    if end - begin != expected:
+        raise CheckpointError(f"{file}: entry {name!r} holds {end - begin} bytes but {dtype} {list(shape)} needs "
+                              f"{expected}; the file is corrupt.", path=file)
+    return TensorEntry(name, file, dtype, shape, data_start + begin)
 
 
 def header_of(store, name: str) -> FileHeader:
