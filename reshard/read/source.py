@@ -265,7 +265,7 @@ def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> Loc
     commit = root.name if root.parent.name == "snapshots" else revision
     if data and not stream:
         root = _snapshot(repo_id, commit, allow=[*METADATA_PATTERNS, *_hub_weight_names(root)], weights=True)
-    if data and not stream or not stream and (_offline() or _weights_cached(root)):
+    if data and not stream or not stream and _weights_cached(root, some=_offline()):
         repo = cache_repo_of(root)
         store = LocalStore(root, link_root=repo, cache_repo=repo) if repo else LocalStore(root)
         return Location(repo_id, Where.HUB, kind_of(store.names()), store, revision)
@@ -308,8 +308,9 @@ def _snapshot(repo_id: str, revision: str | None, *, allow: list[str], weights: 
     return root
 
 
-def _weights_cached(root: Path) -> bool:
-    """Whether a snapshot already holds every weight file its index names (or, without one, any `*.safetensors`)."""
+def _weights_cached(root: Path, *, some: bool = False) -> bool:
+    """Whether a snapshot already holds every weight file its index names (or, without one, any `*.safetensors`);
+    with `some`, any of them (offline, the snapshot is all there is: reading it names what is missing)."""
     import json
 
     from .checkpoint import INDEX_NAME
@@ -320,7 +321,8 @@ def _weights_cached(root: Path) -> bool:
         names = set(json.loads((root / INDEX_NAME).read_text())["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return True  # an invalid index: reading the snapshot reports it
-    return all(isinstance(n, str) and (root / n).exists() for n in names)
+    found = [isinstance(n, str) and (root / n).exists() for n in names]
+    return any(found) if some else all(found)
 
 
 def _hub_weight_names(root: Path) -> list[str]:
