@@ -2,13 +2,16 @@
 
     python bench/write.py                 # 8 GB checkpoint, 3 runs each
     python bench/write.py --size-gb 2 --runs 5 --dir /mnt/fast
+    python bench/write.py --size-gb 2 --fsdp 4 --mesh-to-mesh   # SRC: a reshard folder at fsdp 8 x ep 2
 
 What it does:
 
 1. Generates SRC: a `qwen3_moe` config (tensor shapes from transformers' own config and meta model) with enough
    layers to reach `--size-gb`, written as raw safetensors files (`model-0000i-of-0000n.safetensors` +
    `model.safetensors.index.json`) with per-expert keys, filled chunk by chunk with random bytes (no model is
-   built in RAM). `reshard plan SRC --fsdp 8` must accept it before anything is timed.
+   built in RAM). `reshard plan SRC --fsdp 8` must accept it before anything is timed. With `--mesh-to-mesh`, SRC
+   is instead that checkpoint written by `reshard write --fsdp 8 --ep 2` (`--source-mesh`), unplanned: a reshard
+   folder, whose manifest holds its layout and records the CRC-32 of each file, which the timed write checks.
 2. Warms the page cache (reads SRC once), then alternates, `--runs` times each:
    (a) `python -m reshard write SRC OUT --fsdp 8 -q` then `sync`, after a `reshard plan` (layout cache warm: the
        documented plan-then-write workflow; one write with an empty cache is timed and reported on its own),
@@ -149,6 +152,18 @@ def generate(root: Path, size_bytes: int, shard_bytes: int, seed: int = 0) -> tu
     return root, total
 
 
+def as_reshard_folder(src: Path, folder: Path, mesh: str) -> Path:
+    """`src` written by `reshard write` at `mesh` (`FSDPxEP`) into `folder`; `src` is removed (mesh to mesh)."""
+    fsdp, _, ep = mesh.partition("x")
+    start = time.perf_counter()
+    run_timed([sys.executable, "-m", "reshard", "write", str(src), str(folder), "--fsdp", fsdp, "--ep", ep or "1",
+               "-q"], env=env())
+    print(f"  SRC: a reshard folder at fsdp {fsdp} x ep {ep or 1}, written in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    remove(src)
+    return folder
+
+
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -260,6 +275,9 @@ def main() -> None:
     parser.add_argument("--fsdp", type=int, default=8)
     parser.add_argument("--shard-gb", type=float, default=2.0, help="source file size (GB)")
     parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: a temp folder)")
+    parser.add_argument("--mesh-to-mesh", action="store_true",
+                        help="SRC is a reshard folder (the generated checkpoint written at --source-mesh first)")
+    parser.add_argument("--source-mesh", default="8x2", help="FSDPxEP of the reshard folder of --mesh-to-mesh")
     parser.add_argument("--no-small", action="store_true", help="skip the 4x smaller checkpoint")
     parser.add_argument("--profile", action="store_true", help="also profile one in-process write")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
@@ -285,8 +303,11 @@ def main() -> None:
             layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
             print(f"[{label}] generated {total / GB:.2f} GB ({layers} layers, "
                   f"{len(list(src.glob('*.safetensors')))} files) in {time.perf_counter() - t:.1f} s", flush=True)
+            if args.mesh_to_mesh:
+                src = as_reshard_folder(src, work / f"in-{label}", args.source_mesh)
             remove(CACHE_DIR)
-            plan_wall = check_plan(src, args.fsdp)  # cold: imports torch + transformers, fills the layout cache
+            # cold: imports torch + transformers, fills the layout cache (a reshard folder's manifest holds its layout)
+            plan_wall = 0.0 if args.mesh_to_mesh else check_plan(src, args.fsdp)
             warm(src)
             remove(CACHE_DIR)
             cold_write, _, _ = bench_write(src, work, args.fsdp)  # a write with no plan before it
@@ -319,16 +340,19 @@ def main() -> None:
         w, c = statistics.median(full["writes"]), statistics.median(full["cps"])
         pair = statistics.median(a / b for a, b in zip(full["writes"], full["cps"]))
         print("\nresults")
-        print(f"  checkpoint: {full['bytes'] / GB:.2f} GB, fsdp {args.fsdp}, {args.runs} runs each, warm page cache")
+        source = f"a reshard folder at {args.source_mesh} (mesh to mesh)" if args.mesh_to_mesh else "HF layout"
+        print(f"  checkpoint: {full['bytes'] / GB:.2f} GB, {source}, to fsdp {args.fsdp}, {args.runs} runs each, "
+              "warm page cache")
         runs_of = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
         print(f"  write (whole process + sync): median {w:.2f} s  (runs {runs_of(full['writes'])})")
         print(f"  cp -r (+ sync):               median {c:.2f} s  (runs {runs_of(full['cps'])})")
         print(f"  ratio write/cp: {w / c:.2f} (median of pairs {pair:.2f}); target < 1.5, aim 1.15")
         print(f"  CPU seconds (user + sys): write median {statistics.median(full['write_cpu']):.2f}, "
               f"cp median {statistics.median(full['cp_cpu']):.2f}")
-        print(f"  `reshard plan` on the same source, empty layout cache: {full['plan']:.2f} s; one write with an "
-              f"empty layout cache: {full['cold_write']:.2f} s (ratio {full['cold_write'] / c:.2f}); the timed "
-              "writes above ran after the plan, layout cache warm")
+        if not args.mesh_to_mesh:  # a reshard folder's layout is in its manifest: no plan, no layout cache
+            print(f"  `reshard plan` on the same source, empty layout cache: {full['plan']:.2f} s; one write with an "
+                  f"empty layout cache: {full['cold_write']:.2f} s (ratio {full['cold_write'] / c:.2f}); the timed "
+                  "writes above ran after the plan, layout cache warm")
         print(f"  write throughput, whole process: {full['bytes'] / w / GB:.2f} GB/s; "
               f"cp: {full['bytes'] / c / GB:.2f} GB/s")
         rss_full = max(r for r in full["rss"] if r) if any(full["rss"]) else None
