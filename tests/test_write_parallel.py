@@ -308,7 +308,7 @@ def test_torchrun_write(references, tiny, tmp_path):
     fp8 = quantize_checkpoint(tiny("qwen3_moe", experts=2), tmp_path / "fp8", method="fp8", block=(32, 32))
     write_checkpoint(fp8, tmp_path / "fp8-one-process", MeshSpec(fsdp=4), dequantize="bf16", progress=False)
     cases.append({"argv": ["write", str(fp8), str(outs / "fp8"), "--fsdp", "4", "--dequantize", "bf16", "-q"]})
-    # a reshard folder with one flipped data byte: the ranks reading that file refuse it, so every rank fails
+    # a reshard folder with one flipped data byte: rank 0 refuses it from the ranks' reads, so every rank fails
     damaged = tmp_path / "damaged"
     write_checkpoint(tiny("qwen3_moe", experts=2), damaged, MeshSpec(fsdp=2), progress=False)
     victim = damaged / "shard-00001-model-00001-of-00001.safetensors"
@@ -353,7 +353,9 @@ def test_torchrun_write(references, tiny, tmp_path):
 
     assert [g["exit"] for g in restamped] == [1] * ranks, [g["stderr"] for g in restamped]
     for g in restamped:  # damage is never re-stamped: the damaged file named, nothing kept
-        assert "failed while writing" in g["stderr"] and victim.name in g["stderr"] and "CRC-32" in g["stderr"]
+        assert victim.name in g["stderr"] and "CRC-32" in g["stderr"] and "Traceback" not in g["stderr"]
+    # rank 0 checks the source files from every rank's reads once the files are written, before the swap
+    assert all("rank 0 could not complete" in g["stderr"] for g in restamped[1:]), [g["stderr"] for g in restamped]
     assert_nothing_left(outs / "from-damaged")
 
 
@@ -523,5 +525,7 @@ def test_torchrun_merge(merge_references, tiny, tmp_path):
     assert_nothing_left(outs / "disk-full")
     assert [g["exit"] for g in restamped] == [1] * ranks, [g["stderr"] for g in restamped]
     for g in restamped:  # damage is never re-stamped: the damaged file named, nothing kept
-        assert "failed while writing" in g["stderr"] and victim.name in g["stderr"] and "CRC-32" in g["stderr"]
+        assert victim.name in g["stderr"] and "CRC-32" in g["stderr"] and "Traceback" not in g["stderr"]
+    # rank 0 checks the source files from every rank's reads once the files are written, before the swap
+    assert all("rank 0 could not complete" in g["stderr"] for g in restamped[1:]), [g["stderr"] for g in restamped]
     assert_nothing_left(outs / "from-damaged")

@@ -6,9 +6,9 @@ chunks of one output file, `(nbytes, tensor, box)` each; whether a chunk's bytes
 here, not by the writer. Copied data moves with `copy_file_range` (inside the kernel, as `cp` does; a read/write
 loop where the kernel refuses it), so no tensor is ever materialized and memory holds one copy buffer; a dequantized
 chunk is computed in two bounded slabs (`reshard.runs.dequant`). The file's CRC-32 is computed from the same source
-bytes on one background thread while the copy runs, so the two use both cores instead of taking turns; and every
-source file of a reshard folder is checked whole against its manifest's CRC-32 (`reshard.runs.source_check`), so
-damage is refused, never copied under a fresh CRC.
+bytes on one background thread while the copy runs, so the two use both cores instead of taking turns. That one read
+also gives the CRC-32 of each source range copied from a reshard folder, against which its files are checked
+(`reshard.runs.source_check`), so damage is refused, never copied under a fresh CRC, without reading them again.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import OutputError
 from .byte_runs import Run, chunk_runs, placed_runs
-from .source_check import SourceCheck
+from .crc import Segments, crc32_combine
+from .source_check import SourceCrcs
 
 COPY_BUFFER_BYTES = 1 << 20  # 1 MiB: measured as fast as `cp` in the fallback loop; 16 MiB was 2.5x slower
 
@@ -37,9 +38,11 @@ class Engine:
     Args:
         index: the source (local files), a `CheckpointIndex`; a reshard folder's records its files' CRC-32s.
         progress: an object whose `update(nbytes)` is told of every byte filled, or None.
+        source_crcs: where the CRC-32s of the source ranges read are kept, for the process that completes the output
+            to check (`SourceCrcs.check`); None: this engine is the only writer and `finish` checks them.
     """
 
-    def __init__(self, index, progress=None):
+    def __init__(self, index, progress=None, source_crcs: SourceCrcs | None = None):
         self.index = index
         self.progress = progress
         self.dequantizer = None
@@ -52,8 +55,8 @@ class Engine:
         self.kernel_copy = hasattr(os, "copy_file_range")
         self.stop = threading.Event()
         self.crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-crc")
-        # a reshard folder as the source: each file it reads is checked whole against its manifest's CRC-32
-        self.source_check = SourceCheck(getattr(index, "crc32", None), index.path_of, str(index.root))
+        self.checks_itself = source_crcs is None
+        self.source_crcs = SourceCrcs(index) if source_crcs is None else source_crcs
 
     # ---- the one entry -------------------------------------------------------------------------------------------
 
@@ -67,25 +70,27 @@ class Engine:
         if dequantizer is not None and any(dequantizer.computes(tensor) for _, tensor, _ in boxes):
             return self._fill_computed(out_fd, header, boxes)
         placed, _ = placed_runs(len(header), boxes, self.index.tensors)
-        crc = self._crc_later(header, placed) if checksum else None
+        checked = any(self.source_crcs.checks(run.file) for run in placed)
+        crc = self._crc_later(header, placed) if checksum or checked else None  # a checked source is read once
         written = os.pwrite(out_fd, header, 0)
         if written != len(header):
             raise OutputError(f"short write of a file's header ({written} of {len(header)} bytes).")
         self._copy(placed, out_fd)
-        return None if crc is None else crc.result()
+        crc = None if crc is None else crc.result()
+        return crc if checksum else None
 
     def finish(self) -> list[str]:
-        """Wait for the CRC-32 checks of the source files read; the files checked.
+        """Without `source_crcs` given, check the source files read against their manifest's CRC-32s; the files
+        checked (none with them: the process that completes the output checks).
 
         Raises:
             CheckpointError: a source file is damaged (its CRC-32 differs from its manifest's); nothing may be kept.
         """
-        return self.source_check.finish()
+        return self.source_crcs.check() if self.checks_itself else []
 
     def close(self) -> None:
         self.stop.set()
         self.crc_pool.shutdown(wait=True)
-        self.source_check.close()
         for fd in self.sources.values():
             os.close(fd)
         if self.dequantizer is not None:
@@ -96,36 +101,56 @@ class Engine:
     def _fd(self, file: str) -> int:
         if file not in self.sources:
             self.sources[file] = os.open(self.index.path_of(file), os.O_RDONLY)
-            self.source_check.start(file)
         return self.sources[file]
 
     def _crc_later(self, header: bytes, runs: list[Run]) -> Future:
-        """CRC-32 of `header` followed by the runs' source bytes, computed in the background."""
+        """CRC-32 of `header` followed by the runs' source bytes, computed in the background from one read of each
+        run, which also keeps the CRC-32 of each range of a checked source file (`SourceCrcs`)."""
         for run in runs:
-            self._fd(run.file)  # open in this thread: the dict is not shared while the job runs
+            self._fd(run.file)  # open in this thread: the dicts are not shared while the job runs
+        known = {run.file: self.source_crcs.segments(run.file) for run in runs}
 
         def job() -> int:
             crc, view = zlib.crc32(header), memoryview(bytearray(COPY_BUFFER_BYTES))
             for run in runs:
-                fd, done = self.sources[run.file], 0
-                while done < run.nbytes:
-                    if self.stop.is_set():
-                        return crc
-                    got = os.preadv(fd, [view[:min(run.nbytes - done, len(view))]], run.src + done)
-                    if got <= 0:
-                        raise _short_read(run, done)
-                    crc = zlib.crc32(view[:got], crc)
-                    done += got
+                if known[run.file] is None:
+                    crc = self._read_crc(run, run.src, run.nbytes, view, crc)
+                else:
+                    crc = crc32_combine(crc, self._run_crc(run, known[run.file], view), run.nbytes)
+                if self.stop.is_set():
+                    break
             return crc
 
         return self.crc_pool.submit(job)
+
+    def _run_crc(self, run: Run, known: Segments, view: memoryview) -> int:
+        """The CRC-32 of `run`'s source bytes; the ranges of it not yet `known` become known."""
+        crc = 0
+        for start, end, seen in known.split(run.src, run.src + run.nbytes):
+            piece = self._read_crc(run, start, end - start, view, 0)
+            if self.stop.is_set():
+                break
+            if not seen:  # a range read again (a replicated tensor, in several output files) is kept once
+                known.add(start, end, piece)
+            crc = crc32_combine(crc, piece, end - start)
+        return crc
+
+    def _read_crc(self, run: Run, start: int, nbytes: int, view: memoryview, crc: int) -> int:
+        """`crc` continued over the `nbytes` source bytes of `run` from file offset `start`."""
+        fd, done = self.sources[run.file], 0
+        while done < nbytes and not self.stop.is_set():
+            got = os.preadv(fd, [view[:min(nbytes - done, len(view))]], start + done)
+            if got <= 0:
+                raise _short_read(run, start - run.src + done)
+            crc = zlib.crc32(view[:got], crc)
+            done += got
+        return crc
 
     def _copy(self, runs: list[Run], out_fd: int) -> None:
         """Copy `runs` into `out_fd`, each at `run.dst`."""
         for run in runs:
             src_fd, done = self._fd(run.file), 0
             while done < run.nbytes:
-                self.source_check.raise_if_failed()  # a damaged source stops the copy at once
                 got = self._copy_some(src_fd, out_fd, run.nbytes - done, run.src + done, run.dst + done)
                 if got <= 0:
                     raise _short_read(run, done)

@@ -1,103 +1,115 @@
-"""Check the CRC-32 of each source file a write or merge reads against the one its manifest records.
+"""Check the source files a write or merge reads against the CRC-32s their manifest records, from the bytes read anyway.
 
 A reshard folder's manifest records one CRC-32 per whole file. A mesh-to-mesh `write` or a `merge` from it copies
 byte runs with the kernel (`copy_file_range`), so those bytes never pass through the process; without a check, a
-flipped bit in a source file would be copied and stamped with a fresh, valid CRC in the output. So every source
-file a writer opens is read once more, whole, through one reused buffer, on a background thread while the copy
-runs (`zlib.crc32` releases the GIL: the check uses the second core), and the write fails before anything is kept
-when a file's CRC-32 differs. A file no writer opens gives no byte to the output, so it is not read.
+flipped bit in a source file would be copied and stamped with a fresh, valid CRC in the output. Reading each file
+whole once more to check it doubled the time of a merge, so the engine's one background read of the copied runs (the
+read that computes the output's CRC-32, `reshard.runs.engine`) also keeps the CRC-32 of each source range it reads
+(`reshard.runs.crc.Segments`). Each writer (this process, a `--workers` process, a rank of a torchrun job) reports its
+ranges; the process that completes the output combines them per file, reads only the bytes no writer read (a header,
+mostly) and refuses the output when a file's CRC-32 differs. So damage is found at the end of the write, not at the
+next copied block, but still before the output is put in place: nothing is kept. A file no writer read gives no byte
+to the output and is not read.
 
-A folder saved by `save_pretrained(..., distributed_checkpoint=True)` records no CRC: nothing to check against
-(`SourceCheck(None, ...)` checks nothing; the commands say that the bytes were not checked).
+A folder saved by `save_pretrained(..., distributed_checkpoint=True)` records no CRC: nothing is recorded or checked
+(the commands say that the bytes were not checked).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError
+from .crc import Disagreement, Segments, whole_file_crc
 
-CHECK_BUFFER_BYTES = 1 << 20  # one reused 1 MiB buffer: a fresh block per read costs page faults
+CHECK_BUFFER_BYTES = 1 << 20  # one reused 1 MiB buffer for the bytes no writer read
 
 
-class SourceCheck:
-    """CRC-32 of whole source files, each once, on one background thread, against `expected`.
+class SourceCrcs:
+    """The CRC-32s of the source ranges the writers of one output read, by file, and their check.
 
     Args:
-        expected: file name -> the 8-hex-digit CRC-32 its manifest records; None (or a file it does not name): that
-            file is not checked.
-        path_of: file name -> its path.
-        where: the source folder, for messages.
+        index: the source; a reshard folder's `crc32` names each file's CRC-32. Files it does not name (every file
+            of a saved folder, or of the checkpoint `--extras-from` names) are neither recorded nor checked.
     """
 
-    def __init__(self, expected: dict[str, str] | None, path_of, where: str):
-        self.expected = expected or {}
-        self.path_of = path_of
-        self.where = where
-        self.failure: str | None = None  # set by the background thread at the first mismatch
-        self._jobs: dict[str, Future] = {}
-        self._stop = threading.Event()
-        self._pool: ThreadPoolExecutor | None = None
+    def __init__(self, index):
+        self.expected: dict[str, str] = getattr(index, "crc32", None) or {}
+        self.index = index
+        self.mine: dict[str, Segments] = {}
+        self.others: dict[str, list] = {}  # file -> the ranges of each other writer that reported some
 
-    def start(self, file: str) -> None:
-        """Queue `file` for checking (once; a file without a recorded CRC is skipped)."""
-        if file in self._jobs or file not in self.expected:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-source-crc")
-        self._jobs[file] = self._pool.submit(self._check, file)
+    def checks(self, file: str) -> bool:
+        """Whether `file` has a CRC-32 to check against (its ranges read are recorded)."""
+        return file in self.expected
 
-    def raise_if_failed(self) -> None:
-        """Raise at once if a checked file already failed (the copy calls this between blocks)."""
-        if self.failure is not None:
-            raise CheckpointError(self.failure, path=self.where)
+    def segments(self, file: str) -> Segments | None:
+        """This writer's known ranges of `file`, to add to; None when `file` has no CRC-32 to check against."""
+        if file not in self.expected:
+            return None
+        if file not in self.mine:
+            self.mine[file] = Segments()
+        return self.mine[file]
 
-    def finish(self) -> list[str]:
-        """Wait for every queued check; the files checked, in queue order.
+    def report(self) -> dict[str, list[tuple[int, int, int]]]:
+        """This writer's ranges, `(offset, length, crc)` by file, for the process that checks (small: adjacent
+        ranges are coalesced, a file read in order is one range)."""
+        return {file: segments.items() for file, segments in self.mine.items()}
+
+    def add_report(self, report: dict[str, list]) -> None:
+        """Another writer's ranges (its `report`)."""
+        for file, ranges in report.items():
+            self.others.setdefault(file, []).append(ranges)
+
+    def check(self) -> list[str]:
+        """Check every file any writer read, reading only what no writer read; returns the files checked.
 
         Raises:
-            CheckpointError: a file's CRC-32 differs from its manifest's, or it cannot be read; naming the file.
+            CheckpointError: a file's CRC-32 differs from its manifest's, two reads of its bytes differ, or it cannot
+                be read; naming the file.
         """
-        for job in self._jobs.values():
-            job.result()
-        self.raise_if_failed()
-        return list(self._jobs)
+        files = sorted(self.mine.keys() | self.others.keys())
+        for file in files:
+            reported = [self.mine[file].items()] if file in self.mine else []
+            self._check(file, reported + self.others.get(file, []))
+        return files
 
-    def close(self) -> None:
-        """Stop the background thread (a check in progress stops at its next block)."""
-        self._stop.set()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    def _check(self, file: str) -> None:
-        path = self.path_of(file)
-        crc, buffer = 0, bytearray(CHECK_BUFFER_BYTES)
-        view = memoryview(buffer)
+    def _check(self, file: str, reported: list) -> None:
+        path = self.index.path_of(file)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
-            self._fail(f"{path}: cannot be read to check its CRC-32 ({e.strerror or e}); nothing was kept.")
-            return
+            raise CheckpointError(f"{path}: cannot be read to check its CRC-32 ({e.strerror or e}); nothing was "
+                                  "kept.", path=str(path)) from e
         try:
-            while not self._stop.is_set():
-                got = os.readv(fd, [view])
-                if got <= 0:
-                    break
-                crc = zlib.crc32(view[:got], crc)
+            found = whole_file_crc(reported, os.fstat(fd).st_size, _reader(fd))
+        except Disagreement as e:
+            raise CheckpointError(f"{path}: {e}: the file changed during the write, or the nodes of a torchrun job "
+                                  "hold copies of it that differ. Nothing was kept. Make every copy whole and the "
+                                  "same, then run the command again.", path=str(path)) from e
         finally:
             os.close(fd)
-        if self._stop.is_set():
-            return
-        found, wanted = f"{crc:08x}", self.expected[file]
-        if found != wanted:
-            self._fail(f"{path}: CRC-32 {found}, but reshard.json records {wanted}: the file is damaged (its bytes "
-                       "changed after it was written). Nothing was kept: copying it would stamp the damage with a "
-                       "fresh CRC. Copy the file again from a good copy, or write the folder again from its source.")
+        wanted = self.expected[file]
+        if f"{found:08x}" != wanted:
+            raise CheckpointError(f"{path}: CRC-32 {found:08x}, but reshard.json records {wanted}: the file is "
+                                  "damaged (its bytes changed after it was written). Nothing was kept: copying it "
+                                  "would stamp the damage with a fresh CRC. Copy the file again from a good copy, or "
+                                  "write the folder again from its source.", path=str(path))
 
-    def _fail(self, message: str) -> None:
-        if self.failure is None:
-            self.failure = message
+
+def _reader(fd: int):
+    """`(offset, length) -> CRC-32` of `fd`'s bytes there (of fewer, at the end of a shorter file)."""
+    view = memoryview(bytearray(CHECK_BUFFER_BYTES))
+
+    def read_crc(offset: int, length: int) -> int:
+        crc, done = 0, 0
+        while done < length:
+            got = os.preadv(fd, [view[:min(length - done, len(view))]], offset + done)
+            if got <= 0:
+                break
+            crc = zlib.crc32(view[:got], crc)
+            done += got
+        return crc
+
+    return read_crc

@@ -3,7 +3,8 @@
 Rank 0 claims OUT (`reshard.write.staged.StagedOutput`: the lock, the checks, the temporary folder on the shared file
 system); each rank builds the job from its own node's SRC and writes its share of the units
 (`reshard.write.workers.assign_shares`, the same on every rank); the file entries are gathered over a gloo process
-group (`reshard.launch.gloo_group`); rank 0 completes the folder and swaps it in once every rank reported success.
+group (`reshard.launch.gloo_group`) with the CRC-32s of the source ranges each rank read; rank 0 checks the source
+files from them (`reshard.runs.source_check`), completes the folder and swaps it in once every rank reported success.
 Ranks wait for each other by polling the job's store, never inside a blocking collective, so SIGTERM (torchrun's
 agent stopping the job) is handled at once; collectives run only once every rank is known to be there. A rank that
 fails tells the others to stop at their next copied block; one that dies is noticed by its missing heartbeats (or
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from ..errors import OutputError, ReshardError, UsageError
 from ..launch import agreed_failure, gloo_group, launcher_world_size
+from ..runs.source_check import SourceCrcs
 from ..signals import sigterm_as_interrupt
 from .output import in_unit_order, progress_bar
 from .staged import output_error, remove_temporary
@@ -298,11 +300,11 @@ class _Rank:
         ranks = self.ranks
         try:
             job, start = self._start(read_job)
-            entries = self._write_share(job, start)
+            entries, source_crcs = self._write_share(job, start)
             self.handed_over = True  # from here only rank 0 touches the temporary folder
             if ranks.rank != 0:
                 return self._wait_for_outcome()
-            return self._finish(job, entries)
+            return self._finish(job, entries, source_crcs)
         except BaseException as e:
             self._clean_up(e)
             raise
@@ -368,18 +370,19 @@ class _Rank:
 
     # ---- 2. every rank writes its share into the shared temporary folder ----------------------------------------
 
-    def _write_share(self, job, start: dict) -> list[dict]:
+    def _write_share(self, job, start: dict) -> tuple[list[dict], SourceCrcs | None]:
+        """Write this rank's share; on rank 0, every rank's file entries in unit order and source CRC-32s."""
         ranks = self.ranks
         share = assign_shares(start["sizes"], ranks.world)[ranks.rank]
         if ranks.rank == 0:
             ranks.bar = progress_bar(sum(start["sizes"]), self.progress, job.command)
-        pairs, result = [], None
+        pairs, result, source_crcs = [], None, SourceCrcs(job.index)
         try:
             if not self.tmp.is_dir():
                 raise OutputError(f"{self.tmp}, created by rank 0 on {start['host']}, is not visible on {ranks.host}: "
                                   "OUT must be on a file system every node shares, at the same path")
             counter = _StoreProgress(ranks)
-            pairs = job.write_units(self.tmp, share, progress=counter, fsync=True)
+            pairs = job.write_units(self.tmp, share, progress=counter, fsync=True, source_crcs=source_crcs)
             counter.flush()
         except _Stopped:
             result = None  # another rank failed and says why
@@ -393,8 +396,13 @@ class _Rank:
         if ranks.stop.is_set():  # a rank asked to stop but reported no failure: never rename a partial folder
             self.agreed = True
             raise _Agreed("the write was stopped on some rank; nothing was kept.")
-        gathered = ranks.gather_to_0(pairs)
-        return in_unit_order([pair for share in gathered for pair in share]) if gathered is not None else []
+        gathered = ranks.gather_to_0((pairs, source_crcs.report()))
+        if gathered is None:
+            return [], None
+        checker = SourceCrcs(job.index)  # every rank's ranges, this one's among them: rank 0 checks once
+        for _, report in gathered:
+            checker.add_report(report)
+        return in_unit_order([pair for share, _ in gathered for pair in share]), checker
 
     def _share_failure(self, e: Exception) -> str:
         host = self.ranks.host
@@ -416,18 +424,21 @@ class _Rank:
             raise _Agreed(f"rank 0 could not complete {self.out}: {outcome}")
         return None
 
-    def _finish(self, job, entries: list[dict]):
+    def _finish(self, job, entries: list[dict], source_crcs: SourceCrcs):
         ranks = self.ranks
         ranks.watch_peers = False  # the others now only wait for the outcome, then leave
         if ranks.bar is not None:
             ranks.bar.update(ranks.store.add(ranks.key("bytes"), 0) - ranks.bar.n)  # every rank has flushed its count
         try:
-            result = job.finish(self.tmp, entries, self.out)  # rank 0 writes the rest (a write's extras files, the manifest)
+            # rank 0 writes the rest (a write's extras files, the manifest)
+            result = job.finish(self.tmp, entries, self.out, source_crcs)
+            source_crcs.check()  # a damaged source file is refused before the output is put in place
             self.stage.complete()
         except BaseException as e:
             self.stage.discard(interrupted=isinstance(e, KeyboardInterrupt))
             reason = (str(self.stage.error(e)) if isinstance(e, OSError) else
-                      "it was interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}")
+                      "it was interrupted" if isinstance(e, KeyboardInterrupt) else
+                      str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}")
             ranks.announce("outcome", reason)
             self.agreed = True
             if isinstance(e, OSError):

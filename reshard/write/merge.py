@@ -31,6 +31,7 @@ from ..plan.placement import Box
 from ..read.checkpoint import INDEX_NAME
 from ..read.dcp_source import DcpIndex
 from ..runs.engine import Engine
+from ..runs.source_check import SourceCrcs
 from .files import copy_source_file, write_safetensors
 from .output import headers_digest
 from .staged import ReplaceRule, StagedOutput, fsync_path, local_sources, not_a_reshard_output, not_ours
@@ -272,8 +273,9 @@ class MergeJob:
     def needed_bytes(self) -> int:
         return sum(self.unit_sizes) + sum(self.index.store.size(name) for name in self.copied)
 
-    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
-        engine, entries = Engine(self.index, progress), []
+    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
+                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
+        engine, entries = Engine(self.index, progress, source_crcs), []
         try:
             for unit in units:
                 path, tensors = tmp / self.names[unit], self.parts[unit]
@@ -283,13 +285,14 @@ class MergeJob:
                 if fsync:
                     fsync_path(path)
                 entries.append((unit, {"name": path.name, "keys": [t.key for t in tensors]}))
-            engine.finish()  # a damaged source file is refused before anything is kept
+            engine.finish()  # without `source_crcs`: a damaged source file is refused before anything is kept
         finally:
             engine.close()
         return entries
 
-    def finish(self, tmp: Path, entries: list[dict], out: Path) -> dict:
-        """The copied files and the index, last; returns the index document."""
+    def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs) -> dict:
+        """The copied files and the index, last (no weight is read: `source_crcs` is as the writers left it);
+        returns the index document."""
         for name in self.copied:
             copy_source_file(self.index.store, name, tmp / name)
         weight_map = {key: entry["name"] for entry in entries for key in entry["keys"]}

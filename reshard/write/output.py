@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from ..runs.source_check import SourceCrcs
 from ..signals import sigterm_as_interrupt
 from .staged import StagedOutput
 from .workers import default_workers, write_with_workers
@@ -23,11 +24,13 @@ class OutputJob(Protocol):
 
     Attributes:
         command: `write` or `merge` (the progress bar's label).
+        index: the source; a reshard folder's files are checked against its manifest's CRC-32s (`SourceCrcs`).
         unit_sizes: the bytes of each unit's files, by unit (the shares are balanced by them).
         compute: whether the chunks are computed (a dequantizing write): `--workers` then defaults to every core.
     """
 
     command: str
+    index: object
     unit_sizes: list[int]
     compute: bool
 
@@ -37,12 +40,15 @@ class OutputJob(Protocol):
     def needed_bytes(self) -> int:
         """Bytes the whole output needs (the free-space check)."""
 
-    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
-        """Write the files of `units` into `tmp`: `(unit, file entry)` each, in unit then part order."""
+    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
+                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
+        """Write the files of `units` into `tmp`: `(unit, file entry)` each, in unit then part order. The CRC-32s
+        of the source ranges read go to `source_crcs` (None: checked here, before returning)."""
 
-    def finish(self, tmp: Path, entries: list[dict], out: Path):
+    def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs):
         """Complete `tmp`, the temporary folder of `out`, from every file entry (in unit order): the rest of its
-        files, the index or manifest last; returns what the command returns."""
+        files, the index or manifest last; returns what the command returns. What it reads of the source goes to
+        `source_crcs`; the caller checks them all after it."""
 
     def identity(self, out: Path, overwrite: bool) -> dict:
         """What must be the same on every rank of a distributed job for their shares to fit together."""
@@ -86,13 +92,15 @@ def write_output(job: OutputJob, out, *, overwrite: bool = False, progress: bool
             workers = default_workers(sum(sizes), len(sizes), compute=job.compute)
         workers = min(workers, len(sizes)) if sizes else 1
         bar = progress_bar(sum(sizes), progress, job.command)
+        source_crcs = SourceCrcs(job.index)
         try:
             with stage.filling() as tmp:
                 if workers > 1:
-                    pairs = write_with_workers(job, tmp, workers, progress=bar)
+                    pairs = write_with_workers(job, tmp, workers, source_crcs, progress=bar)
                 else:
-                    pairs = job.write_units(tmp, range(len(sizes)), progress=bar)
-                result = job.finish(tmp, in_unit_order(pairs), stage.out)
+                    pairs = job.write_units(tmp, range(len(sizes)), progress=bar, source_crcs=source_crcs)
+                result = job.finish(tmp, in_unit_order(pairs), stage.out, source_crcs)
+                source_crcs.check()  # a damaged source file is refused before the output is put in place
                 stage.complete()
         finally:
             bar.close()

@@ -21,6 +21,7 @@ from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_sizes, split_p
 from ..plan.placement import ReshardPlan
 from ..read.checkpoint import CheckpointIndex
 from ..runs.engine import Engine
+from ..runs.source_check import SourceCrcs
 from .files import copy_source_file, write_safetensors
 from .output import headers_digest
 from .staged import StagedOutput, fsync_path, local_sources
@@ -39,7 +40,8 @@ def write_rank_file(path: Path, items: list, engine: Engine) -> dict:
 
 
 def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
-                      max_shard_size: int | None = None, progress=None, fsync: bool = False) -> list[dict]:
+                      max_shard_size: int | None = None, progress=None, fsync: bool = False,
+                      source_crcs: SourceCrcs | None = None) -> list[dict]:
     """Write the files of the coordinates `coords` into the folder `tmp` and return their manifest entries.
 
     The one step every writer runs on its share: the in-process write (all coordinates), each worker process of
@@ -50,11 +52,13 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
         max_shard_size: split each coordinate's data into files of at most this many bytes.
         progress: an object whose `update(nbytes)` is told of every filled byte, or None.
         fsync: flush each written file to disk before returning (a share whose writer reports to another process).
+        source_crcs: where the CRC-32s of the source ranges read go, for the process that completes the output;
+            None: the source files read are checked here.
 
     Returns:
         One entry per file, `{"coord": c, ...}`, in coordinate then part order.
     """
-    engine = Engine(index, progress)
+    engine = Engine(index, progress, source_crcs)
     files, paths = [], []
     try:
         for coord in coords:
@@ -73,19 +77,20 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
 
 
 def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
-                 max_shard_size: int | None = None) -> list[dict]:
+                 max_shard_size: int | None = None, source_crcs: SourceCrcs | None = None) -> list[dict]:
     """Write the plan's extras (on-disk tensors the model does not load: MTP layers, ...) whole, under their own
     keys, into `extra-PPPPP-of-NNNNN.safetensors` files in `folder`; returns their manifest entries.
 
     The names do not match the rank-file pattern transformers' distributed loader looks for, and no coordinate lists
     them, so no rank reads them; `merge` writes them back. Bytes are copied as they are; a quantized pair among them
     is dequantized like every other weight in a dequantizing write, so the output is one consistent bf16 checkpoint.
+    `source_crcs` as for `write_coordinates`.
     """
     if not plan.extras:
         return []
     items = [(ChunkSpec(t.name, t.dtype, t.shape, (0,) * len(t.shape), t.numel * DTYPE_BITS[t.dtype] // 8, i), t,
               tuple((0, n) for n in t.shape)) for i, t in enumerate(plan.extras)]
-    engine, entries = Engine(index), []
+    engine, entries = Engine(index, source_crcs=source_crcs), []
     try:
         for part, chunk_items in enumerate(parts := split_parts(items, max_shard_size)):
             path = folder / extra_file_name(part, len(parts))
@@ -134,15 +139,16 @@ class WriteJob:
         return (sum(self.unit_sizes) + extras_bytes(self.plan)
                 + sum(self.index.store.size(name) for name in self.copied))
 
-    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False) -> list[tuple[int, dict]]:
+    def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
+                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
         files = write_coordinates(self.plan, self.index, tmp, units, max_shard_size=self.max_shard_size,
-                                  progress=progress, fsync=fsync)
+                                  progress=progress, fsync=fsync, source_crcs=source_crcs)
         return [(entry["coord"], entry) for entry in files]
 
-    def finish(self, tmp: Path, entries: list[dict], out: Path) -> Manifest:
+    def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs) -> Manifest:
         """Complete the folder: extras, copied files, the manifest last; returns the manifest."""
         plan, index = self.plan, self.index
-        extras = write_extras(plan, index, tmp, max_shard_size=self.max_shard_size)
+        extras = write_extras(plan, index, tmp, max_shard_size=self.max_shard_size, source_crcs=source_crcs)
         for name in self.copied:
             if name == "config.json" and index.quantization is not None:
                 # the bf16 model's config: transformers must not build the quantized model for these files

@@ -7,9 +7,10 @@ assignment from the same sizes. Every writer produces the same bytes for a unit,
 one process.
 
 Workers are spawned (not forked: the parent may hold threads, e.g. torch's, and a forked copy of a lock held by one
-of them never frees), get the job pickled once, and report filled bytes, then their file entries or their error,
-over a pipe each. The parent drives the one progress bar. A worker's error, a worker that dies (its pipe closes
-before its result: SIGKILL, the out-of-memory killer), Ctrl-C or SIGTERM stop every worker before the temporary
+of them never frees), get the job pickled once, and report filled bytes, then their file entries and the CRC-32s of
+the source ranges they read, or their error, over a pipe each. The parent drives the one progress bar and checks the
+source files from every worker's ranges (`reshard.runs.source_check`). A worker's error, a worker that dies (its pipe
+closes before its result: SIGKILL, the out-of-memory killer), Ctrl-C or SIGTERM stop every worker before the temporary
 folder is removed.
 """
 
@@ -24,6 +25,7 @@ import traceback
 from pathlib import Path
 
 from ..errors import OutputError, ReshardError
+from ..runs.source_check import SourceCrcs
 from ..signals import signals_held
 
 WORKER_MIN_BYTES = 1 << 30  # a worker costs ~0.2 s to start: worth it only with at least this much to write
@@ -102,14 +104,16 @@ class _PipeProgress:
 
 
 def _worker(conn, payload: bytes, tmp: str, units: list[int]) -> None:
-    """A worker process: write the `units`' files into `tmp`, then send their entries (or the error) to the parent."""
+    """A worker process: write the `units`' files into `tmp`, then send their entries and the CRC-32s of the source
+    ranges read (or the error) to the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the parent too, which stops us
     progress = _PipeProgress(conn)
     try:
         job = pickle.loads(payload)
-        files = job.write_units(Path(tmp), units, progress=progress, fsync=True)
+        source_crcs = SourceCrcs(job.index)
+        files = job.write_units(Path(tmp), units, progress=progress, fsync=True, source_crcs=source_crcs)
         progress.flush()
-        conn.send(("done", files))
+        conn.send(("done", (files, source_crcs.report())))
     except (BrokenPipeError, ConnectionResetError):
         raise SystemExit(1)  # the parent is gone: nobody will use these files
     except BaseException as e:  # noqa: BLE001  every failure goes to the parent, which decides
@@ -164,11 +168,13 @@ def _stop_workers(procs: list) -> None:
             proc.join()
 
 
-def write_with_workers(job, tmp: Path, workers: int, *, progress=None) -> list[tuple[int, dict]]:
+def write_with_workers(job, tmp: Path, workers: int, source_crcs: SourceCrcs, *,
+                       progress=None) -> list[tuple[int, dict]]:
     """Write every unit's files of `job` into `tmp` with `workers` processes, each a share balanced by bytes.
 
     Args:
         progress: an object whose `update(nbytes)` is told of every byte copied (the parent's progress bar).
+        source_crcs: where each worker's CRC-32s of the source ranges it read go, for the caller to check.
 
     Returns:
         `(unit, file entry)` of every file, in unit then part order (as one process writes them).
@@ -194,8 +200,10 @@ def write_with_workers(job, tmp: Path, workers: int, *, progress=None) -> list[t
                 procs.append(proc)
                 writer.close()  # the worker holds the only write end: its death closes the pipe
         results = _collect(readers, procs, progress)
+        for _, report in results.values():
+            source_crcs.add_report(report)
         # a stable sort by unit keeps each unit's parts in order: the in-process write's order
-        return sorted((entry for i in range(len(shares)) for entry in results[i]), key=lambda e: e[0])
+        return sorted((entry for i in range(len(shares)) for entry in results[i][0]), key=lambda e: e[0])
     finally:
         with signals_held():  # a second Ctrl-C must not leave a worker writing into a folder about to be removed
             _stop_workers(procs)
@@ -203,8 +211,9 @@ def write_with_workers(job, tmp: Path, workers: int, *, progress=None) -> list[t
             reader.close()
 
 
-def _collect(readers: list, procs: list, progress) -> dict[int, list]:
-    """Each worker's file entries, by worker, once all have reported; their byte counts go to `progress` meanwhile.
+def _collect(readers: list, procs: list, progress) -> dict[int, tuple]:
+    """Each worker's file entries and source CRC-32s, by worker, once all have reported; their byte counts go to
+    `progress` meanwhile.
 
     Raises:
         OSError, OutputError: the first worker that reports a failure, or dies before reporting.
