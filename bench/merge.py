@@ -18,6 +18,8 @@ What it does:
    smaller one of the same tensor sizes (bounded: it must not grow with the checkpoint). The small merge is also
    checked with `reshard verify DEST --against IN` (every tensor equal, byte for byte).
 
+`--against DIR` also times the merge of another checkout of reshard (e.g. `git worktree add ../before main`), its runs
+alternating with this one's on the same IN: a before/after pair measured in the same conditions.
 Everything generated is deleted at the end unless `--keep`.
 """
 
@@ -49,10 +51,11 @@ def make_input(root: Path, size: int, shard: int, fsdp: int, ep: int) -> tuple[P
     return folder, total
 
 
-def merge_once(folder: Path, work: Path, *, keep: bool = False) -> tuple[float, int | None, float]:
+def merge_once(folder: Path, work: Path, *, keep: bool = False, repo: Path = wb.REPO
+               ) -> tuple[float, int | None, float]:
     dest = work / "dest"
     wall, rss, _, cpu = wb.run_timed([sys.executable, "-m", "reshard", "merge", str(folder), str(dest), "-q"],
-                                     env=wb.env())
+                                     env=wb.env(repo), cwd=repo)
     if not (dest / "model.safetensors.index.json").exists():
         raise SystemExit("the merge produced no index")
     if not keep:
@@ -74,6 +77,8 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep the generated folders")
+    parser.add_argument("--against", type=lambda p: Path(p).resolve(), default=None,
+                        help="another checkout of reshard whose merge is timed too, alternating (before/after)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="reshard-bench-merge-", dir=args.dir))
     wb.CACHE_DIR = work / "layout-cache"
@@ -82,15 +87,21 @@ def main() -> None:
         print(f"generating {args.size_gb} GB in {work}", flush=True)
         folder, total = make_input(work / "big", size, 2 * GB, args.fsdp, args.ep)
         wb.warm(folder)
-        merges, cps, rss, cpus = [], [], [], []
+        merges, cps, rss, cpus, against = [], [], [], [], []
         for run in range(args.runs):
+            if args.against and run % 2 == 1:  # alternate which checkout goes first
+                against.append(merge_once(folder, work, repo=args.against))
             wall, peak, cpu = merge_once(folder, work)
+            if args.against and run % 2 == 0:
+                against.append(merge_once(folder, work, repo=args.against))
             merges.append(wall)
             rss.append(peak)
             cpus.append(cpu)
             cps.append(cp_once(folder, work))
             print(f"  run {run + 1}: merge {merges[-1]:.2f} s ({total / merges[-1] / GB:.2f} GB/s, cpu {cpu:.1f} s, "
-                  f"peak RSS {peak / 1024 if peak else float('nan'):.0f} MiB), cp -r {cps[-1]:.2f} s", flush=True)
+                  f"peak RSS {peak / 1024 if peak else float('nan'):.0f} MiB), cp -r {cps[-1]:.2f} s"
+                  + (f"; {args.against}: merge {against[-1][0]:.2f} s (cpu {against[-1][2]:.1f} s)" if against else ""),
+                  flush=True)
         ratios = [m / c for m, c in zip(merges, cps)]
         wb.remove(work / "big")
         small_folder, small_total = make_input(work / "small", size // 4, 2 * GB, args.fsdp, args.ep)
@@ -106,6 +117,12 @@ def main() -> None:
               f"cp -r + sync median {statistics.median(cps):.2f} s")
         print(f"ratio merge / cp: median {statistics.median(ratios):.2f} (runs: "
               f"{', '.join(f'{r:.2f}' for r in ratios)}; target < 1.5, aim 1.15)")
+        if against:
+            walls = [a for a, _, _ in against]
+            print(f"{args.against}: merge median {statistics.median(walls):.2f} s, ratio merge / cp: median "
+                  f"{statistics.median(a / c for a, c in zip(walls, cps)):.2f} (runs: "
+                  f"{', '.join(f'{a / c:.2f}' for a, c in zip(walls, cps))}), cpu median "
+                  f"{statistics.median(c for _, _, c in against):.1f} s")
         print(f"throughput: {total / median / GB:.2f} GB/s whole process, vs verl's merger ~0.033 GB/s "
               f"({total / median / VERL_BYTES_PER_S:.0f}x)")
         big = max(r for r in rss if r) / 1024 if any(rss) else float("nan")

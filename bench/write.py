@@ -23,6 +23,8 @@ What it does:
    cost), and peak RSS of the write process (`/usr/bin/time -v`, else `getrusage(RUSAGE_CHILDREN)`) at both sizes
    (target: within 10%).
 
+`--against DIR` also times the write of another checkout of reshard (e.g. `git worktree add ../before main`), its runs
+alternating with this one's on the same SRC, so that a before/after pair is measured in the same conditions.
 `--profile` adds one in-process write under cProfile and prints where the time goes.
 Everything generated is deleted at the end unless `--keep`.
 """
@@ -169,14 +171,14 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_timed(cmd: list[str], *, env=None) -> tuple[float, int | None, str, float]:
+def run_timed(cmd: list[str], *, env=None, cwd: Path = REPO) -> tuple[float, int | None, str, float]:
     """Run `cmd` then `sync`; return wall seconds (both), peak RSS in KiB of `cmd`, its stderr and CPU seconds."""
     use_time = Path("/usr/bin/time").exists()
     full = ["/usr/bin/time", "-v", *cmd] if use_time else cmd
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     cpu_before = cpu_seconds()
     start = time.perf_counter()
-    result = subprocess.run(full, capture_output=True, text=True, env=env, cwd=REPO)
+    result = subprocess.run(full, capture_output=True, text=True, env=env, cwd=cwd)  # `-m` imports from cwd first
     cpu = cpu_seconds() - cpu_before
     subprocess.run(["sync"], check=True)
     wall = time.perf_counter() - start
@@ -208,9 +210,9 @@ def warm(path: Path) -> None:
 CACHE_DIR: Path | None = None  # the layout cache the timed processes use (set in main, inside the work folder)
 
 
-def env() -> dict:
+def env(repo: Path = REPO) -> dict:
     extra = {"RESHARD_CACHE_DIR": str(CACHE_DIR)} if CACHE_DIR else {}
-    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    return {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", **extra}
 
 
@@ -232,10 +234,11 @@ def check_plan(src: Path, fsdp: int) -> float:
     return wall
 
 
-def bench_write(src: Path, work: Path, fsdp: int) -> tuple[float, int | None, float]:
+def bench_write(src: Path, work: Path, fsdp: int, repo: Path = REPO) -> tuple[float, int | None, float]:
     out = work / "out"
     wall, rss, _, cpu = run_timed(
-        [sys.executable, "-m", "reshard", "write", str(src), str(out), "--fsdp", str(fsdp), "-q"], env=env())
+        [sys.executable, "-m", "reshard", "write", str(src), str(out), "--fsdp", str(fsdp), "-q"], env=env(repo),
+        cwd=repo)
     if not (out / "reshard.json").exists():
         raise SystemExit("the write produced no manifest")
     remove(out)
@@ -278,6 +281,8 @@ def main() -> None:
     parser.add_argument("--mesh-to-mesh", action="store_true",
                         help="SRC is a reshard folder (the generated checkpoint written at --source-mesh first)")
     parser.add_argument("--source-mesh", default="8x2", help="FSDPxEP of the reshard folder of --mesh-to-mesh")
+    parser.add_argument("--against", type=lambda p: Path(p).resolve(), default=None,
+                        help="another checkout of reshard whose write is timed too, alternating (before/after)")
     parser.add_argument("--no-small", action="store_true", help="skip the 4x smaller checkpoint")
     parser.add_argument("--profile", action="store_true", help="also profile one in-process write")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
@@ -313,10 +318,14 @@ def main() -> None:
             cold_write, _, _ = bench_write(src, work, args.fsdp)  # a write with no plan before it
             print(f"  write with an empty layout cache (no plan before it): {cold_write:.2f} s", flush=True)
             # the timed runs below follow the documented workflow: plan, then write (layout cache warm)
-            writes, cps, rss, write_cpu, cp_cpu = [], [], [], [], []
+            writes, cps, rss, write_cpu, cp_cpu, against = [], [], [], [], [], []
             runs = args.runs if label == "full" else max(1, min(args.runs, 2))
             for i in range(runs):
+                if args.against and label == "full" and i % 2 == 1:  # alternate which checkout goes first
+                    against.append(bench_write(src, work, args.fsdp, args.against))
                 w, r, c = bench_write(src, work, args.fsdp)
+                if args.against and label == "full" and i % 2 == 0:
+                    against.append(bench_write(src, work, args.fsdp, args.against))
                 writes.append(w)
                 rss.append(r)
                 write_cpu.append(c)
@@ -326,11 +335,15 @@ def main() -> None:
                     cp_cpu.append(c2)
                     print(f"  run {i + 1}: write {w:.2f} s ({c:.2f} CPU s), cp {wall:.2f} s ({c2:.2f} CPU s), "
                           f"ratio {w / wall:.2f}, write peak RSS {r / 1024 if r else float('nan'):.0f} MiB", flush=True)
+                    if against:
+                        a, _, ca = against[-1]
+                        print(f"         {args.against}: write {a:.2f} s ({ca:.2f} CPU s), ratio {a / wall:.2f}",
+                              flush=True)
                 else:
                     print(f"  run {i + 1}: write {w:.2f} s ({c:.2f} CPU s), "
                           f"write peak RSS {r / 1024 if r else float('nan'):.0f} MiB", flush=True)
             results[label] = {"bytes": total, "writes": writes, "cps": cps, "rss": rss, "write_cpu": write_cpu,
-                              "cp_cpu": cp_cpu, "plan": plan_wall, "cold_write": cold_write}
+                              "cp_cpu": cp_cpu, "plan": plan_wall, "cold_write": cold_write, "against": against}
             if args.profile and label == "full":
                 profile_write(src, work, args.fsdp)
             if not args.keep:
@@ -347,6 +360,12 @@ def main() -> None:
         print(f"  write (whole process + sync): median {w:.2f} s  (runs {runs_of(full['writes'])})")
         print(f"  cp -r (+ sync):               median {c:.2f} s  (runs {runs_of(full['cps'])})")
         print(f"  ratio write/cp: {w / c:.2f} (median of pairs {pair:.2f}); target < 1.5, aim 1.15")
+        if full["against"]:
+            walls = [a for a, _, _ in full["against"]]
+            print(f"  {args.against}: write median {statistics.median(walls):.2f} s (runs {runs_of(walls)}), ratio "
+                  f"write/cp {statistics.median(walls) / c:.2f} (median of pairs "
+                  f"{statistics.median(a / b for a, b in zip(walls, full['cps'])):.2f}), CPU median "
+                  f"{statistics.median(ca for _, _, ca in full['against']):.2f} s")
         print(f"  CPU seconds (user + sys): write median {statistics.median(full['write_cpu']):.2f}, "
               f"cp median {statistics.median(full['cp_cpu']):.2f}")
         if not args.mesh_to_mesh:  # a reshard folder's layout is in its manifest: no plan, no layout cache
