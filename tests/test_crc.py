@@ -18,10 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard.runs.source_check as source_check
-from reshard.api import write_checkpoint
+from reshard.api import merge_checkpoint, write_checkpoint
 from reshard.plan.mesh import MeshSpec
 from reshard.runs.crc import Disagreement, Segments, crc32_combine, crc32_shift, whole_file_crc
-from reshard.write.merge import merge_checkpoint
 
 from conftest import hang_guard
 
@@ -194,7 +193,7 @@ def same_files(a: Path, b: Path) -> bool:
 def test_a_merge_checks_its_source_reading_only_the_headers_again(folder, check_reads, tmp_path):
     _, good = folder
     summary = merge_checkpoint(good, tmp_path / "merged", progress=False)
-    assert summary["source_crc32_checked"] is True
+    assert summary.source_crc32_checked is True
     assert sum(check_reads) == header_bytes(good)
     check_reads.clear()
     with hang_guard(300):
