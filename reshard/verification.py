@@ -19,7 +19,7 @@ from .read.checkpoint import INDEX_NAME, header_of, read_config
 from .read.source import Kind, locate, open_source
 from .read.store import READ_BLOCK
 from .results import VerifyResult
-from .runs.byte_runs import chunk_runs
+from .runs.byte_runs import Run, chunk_runs
 
 COMPARE_BLOCK = 1 << 20  # bytes compared at a time: one buffer per side
 
@@ -197,9 +197,10 @@ def _check_extras(listed: _Listed, manifest, headers: dict, chunks: dict) -> Non
 
 def _compare_with_source(out, headers, chunks, against, revision, problems, bar, dequantized) -> int:
     """Compare each chunk's bytes with the bytes the source pieces give for that region; a dequantized chunk with
-    the values `write --dequantize` computes from the source (its names are added to `dequantized`)."""
+    the values `write --dequantize` computes from the source (its names are added to `dequantized`). The copied
+    chunks of one written file are compared together, their source bytes fetched in few large requests."""
     index, layout, dequantizer = _source_to_compare(against, revision)
-    compared = 0
+    compared, copied = 0, {}  # written file -> [(its chunk's name, box, runs placed in the file)]
     try:
         for name, found in chunks.items():
             target = layout.get(name)
@@ -213,24 +214,50 @@ def _compare_with_source(out, headers, chunks, against, revision, problems, bar,
                 entry = next(t for t in headers[file].tensors if t.name == name)
                 if entry.dtype != target.dtype:
                     problems.append(f"{file}: {name} is {entry.dtype}, the source is {target.dtype}")
-                    continue
-                if computed:  # recomputed from the source bytes, compared bit for bit
+                elif computed:  # recomputed from the source bytes, compared bit for bit
                     same, done = _same_slabs(dequantizer.chunk_slabs(target, box), out, file, entry.data_start, bar)
+                    compared += done
+                    if not same:
+                        problems.append(f"{file}: {name} differs from its dequantized source at chunk {box}")
                 else:
-                    same, done = True, 0
-                    for run in chunk_runs(target, box, index.tensors):
-                        ok, n = _same_run(index.store, run, out, file, entry.data_start, bar)
-                        same, done = same and ok, done + n
-                        if not ok:
-                            break
-                compared += done
-                if not same:
-                    problems.append(f"{file}: {name} differs from {'its dequantized' if computed else 'the'} source "
-                                    f"at chunk {box}")
+                    runs = [Run(r.file, r.src, entry.data_start + r.dst, r.nbytes)
+                            for r in chunk_runs(target, box, index.tensors)]
+                    copied.setdefault(file, []).append((name, box, runs))
+        for file, placed in copied.items():
+            compared += _same_copies(index.store, out, file, placed, problems, bar)
     finally:
         if dequantizer is not None:
             dequantizer.close()
     return compared
+
+
+def _same_copies(source, out, file: str, placed: list, problems: list[str], bar) -> int:
+    """Compare the copied chunks of written file `file` (`(name, box, runs)`, each run's `dst` in the file) with the
+    source, fetched in spans (`reshard.runs.fetch.spans`); each differing chunk is named once. Bytes compared."""
+    from .runs.fetch import spans
+
+    owner = {(run.file, run.src, run.dst): (name, box) for name, box, runs in placed for run in runs}
+    differing, compared = [], 0
+    for span in spans([run for _, _, runs in placed for run in runs]):
+        data = source.read(span.file, span.start, span.length)
+        for run in span.runs:
+            theirs = data[run.src - span.start:run.src - span.start + run.nbytes]
+            if out.read(file, run.dst, run.nbytes) != theirs:
+                name, box = owner.get((run.file, run.src, run.dst)) or _owner_of(placed, run)
+                if name not in differing:
+                    differing.append(name)
+                    problems.append(f"{file}: {name} differs from the source at chunk {box}")
+            compared += run.nbytes
+            bar.update(run.nbytes)
+    return compared
+
+
+def _owner_of(placed: list, piece) -> tuple[str, tuple]:
+    """The chunk a piece of a run (a run longer than one request) belongs to."""
+    for name, box, runs in placed:
+        if any(r.file == piece.file and r.dst <= piece.dst < r.dst + r.nbytes for r in runs):
+            return name, box
+    return "?", ()
 
 
 def _source_to_compare(against, revision):
@@ -256,19 +283,6 @@ def _same_slabs(slabs, out, file: str, start: int, bar) -> tuple[bool, int]:
         position += len(data)
         bar.update(len(data))
     return True, position - start
-
-
-def _same_run(source, run, out, file: str, start: int, bar) -> tuple[bool, int]:
-    """Compare one byte run of the source with the written chunk that begins at `start`, a block at a time:
-    (whether all matched, bytes that did)."""
-    done = 0
-    while done < run.nbytes:
-        n = min(run.nbytes - done, COMPARE_BLOCK)
-        if source.read(run.file, run.src + done, n) != out.read(file, start + run.dst + done, n):
-            return False, done
-        done += n
-        bar.update(n)
-    return True, done
 
 
 # ---- a merged (plain Hugging Face) folder: `reshard merge` output -------------------------------------------------

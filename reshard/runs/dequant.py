@@ -80,7 +80,7 @@ class Dequantizer:
     def __init__(self, index: CheckpointIndex):
         self.index = index
         self.quantized: dict[str, QuantizedTensor] = dict(index.quantization.tensors) if index.quantization else {}
-        self.fds: dict[str, int] = {}
+        self.fds: dict[str, int | None] = {}  # None: a remote file, read through the store
         self._fp8_values: dict[str, object] = {}
         self._mxfp4_table = None
         self._scratch_arrays: dict[str, np.ndarray] = {}
@@ -100,7 +100,8 @@ class Dequantizer:
 
     def close(self) -> None:
         for fd in self.fds.values():
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         self.fds.clear()
 
     # ---- reading ------------------------------------------------------------------------------------------------
@@ -108,9 +109,13 @@ class Dequantizer:
     def _read(self, entry: TensorEntry, first: int, count: int, scratch: str | None = None) -> np.ndarray:
         """`count` bytes of `entry`'s data from byte `first` (relative to the tensor), as uint8; into the reused
         buffer `scratch` when given (valid until the next read into it)."""
-        if entry.file not in self.fds:
-            self.fds[entry.file] = os.open(self.index.path_of(entry.file), os.O_RDONLY)
         out = np.empty(count, dtype=np.uint8) if scratch is None else self._scratch(scratch, (count,), np.uint8)
+        if entry.file not in self.fds:
+            path = self.index.store.local_path(entry.file)
+            self.fds[entry.file] = None if path is None else os.open(path, os.O_RDONLY)
+        if self.fds[entry.file] is None:  # a remote source: one ranged request per slab's rows
+            self.index.store.readinto(entry.file, entry.data_start + first, memoryview(out))
+            return out
         view, done = memoryview(out), 0
         while done < count:
             got = os.preadv(self.fds[entry.file], [view[done:]], entry.data_start + first + done)
