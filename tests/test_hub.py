@@ -153,3 +153,32 @@ def test_a_sub_byte_dtype_in_remote_headers_is_refused(hub, tmp_path):
     assert "sub-byte" in result.stderr and "Traceback" not in result.stderr
     assert [r.range for r in hub.served("org/f4", "model.safetensors") if r.method == "GET"] == \
         [f"bytes=0-{HEADER_PROBE - 1}"]  # the header only
+
+
+def test_write_stream_reads_ranges_caches_no_weights_and_writes_the_same_bytes(hub, tmp_path):
+    """`--stream`: the weights come in ranged requests, fewer than the tensors, and none lands in the cache; the
+    folder equals the one written from a local copy. Files already cached are read there: no weight request."""
+    import reshard
+
+    home = tmp_path / "home"
+    hub.log.clear()
+    result = cli(hub, home, "write", REPO, tmp_path / "streamed", "--fsdp", 4, "--stream", "-q")
+    assert result.returncode == 0, result.stderr
+    assert cached_weights(home) == []
+    reshard.write_checkpoint(hub.local["main"], tmp_path / "local", reshard.MeshSpec(fsdp=4), progress=False)
+    for path in sorted((tmp_path / "local").glob("*.safetensors")):
+        assert path.read_bytes() == (tmp_path / "streamed" / path.name).read_bytes(), path.name
+    tensors = len(json.loads((tmp_path / "local" / "reshard.json").read_text())["order"])
+    for name in WEIGHTS:
+        gets = [r for r in hub.served(REPO, name) if r.method == "GET"]
+        assert gets and all(r.range for r in gets), gets  # ranges only: never the whole file
+        assert len(gets) < tensors, len(gets)
+
+    cli(hub, home, "write", REPO, tmp_path / "downloaded", "--fsdp", 4, "-q")  # into the cache, whole
+    hub.log.clear()
+    result = cli(hub, home, "write", REPO, tmp_path / "again", "--fsdp", 4, "--stream", "-q")
+    assert result.returncode == 0, result.stderr
+    assert not [r for r in hub.log if r.path in WEIGHTS and r.method == "GET" and r.range != f"bytes=0-{PROBE - 1}"]
+    assert (tmp_path / "again" / "reshard.json").read_text().count('"crc32"') > 0
+    for path in sorted((tmp_path / "local").glob("*.safetensors")):
+        assert path.read_bytes() == (tmp_path / "again" / path.name).read_bytes(), path.name

@@ -17,10 +17,10 @@ A folder saved by `save_pretrained(..., distributed_checkpoint=True)` records no
 
 from __future__ import annotations
 
-import os
 import zlib
 
 from ..errors import CheckpointError
+from ..read.store import READ_BLOCK
 from .crc import Disagreement, Segments, whole_file_crc
 
 CHECK_BUFFER_BYTES = 1 << 20  # one reused 1 MiB buffer for the bytes no writer read
@@ -76,40 +76,39 @@ class SourceCrcs:
         return files
 
     def _check(self, file: str, reported: list) -> None:
-        path = self.index.path_of(file)
+        store = self.index.store
+        where = store.url(file)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            size = store.size(file)
         except OSError as e:
-            raise CheckpointError(f"{path}: cannot be read to check its CRC-32 ({e.strerror or e}); nothing was "
-                                  "kept.", path=str(path)) from e
+            raise CheckpointError(f"{where}: cannot be read to check its CRC-32 ({e.strerror or e}); nothing was "
+                                  "kept.", path=where) from e
         try:
-            found = whole_file_crc(reported, os.fstat(fd).st_size, _reader(fd))
+            found = whole_file_crc(reported, size, _reader(store, file))
         except Disagreement as e:
-            raise CheckpointError(f"{path}: {e}: the file changed during the write, or the nodes of a torchrun job "
+            raise CheckpointError(f"{where}: {e}: the file changed during the write, or the nodes of a torchrun job "
                                   "hold copies of it that differ. Nothing was kept. Make every copy whole and the "
-                                  "same, then run the command again.", path=str(path)) from e
-        finally:
-            os.close(fd)
+                                  "same, then run the command again.", path=where) from e
         wanted = self.expected[file]
         if f"{found:08x}" != wanted:
-            raise CheckpointError(f"{path}: CRC-32 {found:08x}, but reshard.json records {wanted}: the file is "
+            raise CheckpointError(f"{where}: CRC-32 {found:08x}, but reshard.json records {wanted}: the file is "
                                   "damaged (its bytes changed after it was written). Nothing was kept: copying it "
                                   "would stamp the damage with a fresh CRC. Copy the file again from a good copy, or "
-                                  "write the folder again from its source.", path=str(path))
+                                  "write the folder again from its source.", path=where)
 
 
-def _reader(fd: int):
-    """`(offset, length) -> CRC-32` of `fd`'s bytes there (of fewer, at the end of a shorter file)."""
-    view = memoryview(bytearray(CHECK_BUFFER_BYTES))
+def _reader(store, file: str):
+    """`(offset, length) -> CRC-32` of `file`'s bytes there, read through its store a buffer at a time (a request
+    at a time from a remote one)."""
+    view = memoryview(bytearray(READ_BLOCK if store.remote else CHECK_BUFFER_BYTES))
 
     def read_crc(offset: int, length: int) -> int:
         crc, done = 0, 0
         while done < length:
-            got = os.preadv(fd, [view[:min(length - done, len(view))]], offset + done)
-            if got <= 0:
-                break
-            crc = zlib.crc32(view[:got], crc)
-            done += got
+            n = min(length - done, len(view))
+            store.readinto(file, offset + done, view[:n])
+            crc = zlib.crc32(view[:n], crc)
+            done += n
         return crc
 
     return read_crc

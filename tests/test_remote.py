@@ -1,0 +1,248 @@
+"""Sources read in ranges: S3 (a real SeaweedFS server on 127.0.0.1, tests/s3_server.py) and the Hub with `--stream`
+(the local Hub, tests/hub_server.py). Byte identity with the same commands on a local copy, requests per rank and per
+file, faults (transient errors retried, a server that goes away)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reshard.api import write_checkpoint
+from reshard.plan.mesh import MeshSpec
+
+from conftest import rank_reports, run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+MESH = MeshSpec(fsdp=4)
+
+
+def cli(server, *args, env=None, timeout=180, access_key="cli"):
+    """`python -m reshard ARGS` against `server` (its environment: endpoint, a key of its own)."""
+    full = {**server.environ(access_key), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RESHARD_CACHE_DIR": "",
+            **(env or {})}
+    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True,
+                          env=full, timeout=timeout)
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def same_folders(a: Path, b: Path) -> None:
+    """Every rank file byte-identical, and the manifests' tensor and file records equal (only `source` differs)."""
+    first, second = files_of(a), files_of(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        if name != "reshard.json":
+            assert first[name] == second[name], name
+    one, two = (json.loads(f["reshard.json"]) for f in (first, second))
+    for key in ("tensors", "order", "files", "coords", "mesh", "copied", "source_layout"):
+        assert one.get(key) == two.get(key), key
+
+
+@pytest.fixture
+def uploaded(s3, tiny, tmp_path):
+    """A tiny checkpoint and its reshard folder (fsdp 4) in a fresh bucket: (local src, local folder, urls)."""
+    src = tiny("qwen3_moe", experts=6)
+    folder = tmp_path / "folder"
+    write_checkpoint(src, folder, MESH, progress=False)
+    bucket = s3.new_bucket("up")
+    s3.put_folder(src, f"s3://{bucket}/src")
+    s3.put_folder(folder, f"s3://{bucket}/folder")
+    s3.clear_log()
+    return src, folder, {"src": f"s3://{bucket}/src", "folder": f"s3://{bucket}/folder", "bucket": bucket}
+
+
+# ---- plan, write, verify, merge from S3 -----------------------------------------------------------------------------
+
+def test_plan_from_s3_reads_headers_only_and_equals_the_local_plan(s3, uploaded):
+    src, _, url = uploaded
+    remote = cli(s3, "plan", url["src"], "--fsdp", 4, "--json")
+    assert remote.returncode == 0, remote.stderr
+    local = cli(s3, "plan", src, "--fsdp", 4, "--json")
+    doc, ref = json.loads(remote.stdout), json.loads(local.stdout)
+    assert {**doc, "source": None} == {**ref, "source": None}
+    gets = s3.requests(method="GET", key="src/model.safetensors")
+    assert [r.range for r in gets] == ["bytes=0-65535"]  # one request: the header, not a byte of data past it
+
+
+def test_write_from_s3_is_byte_identical_to_the_local_write_in_few_requests(s3, uploaded, tmp_path):
+    src, _, url = uploaded
+    result = cli(s3, "write", url["src"], tmp_path / "remote", "--fsdp", 4, "-q")
+    assert result.returncode == 0, result.stderr
+    write_checkpoint(src, tmp_path / "local", MESH, progress=False)
+    same_folders(tmp_path / "remote", tmp_path / "local")
+    data = [r for r in s3.requests(method="GET", key="src/model.safetensors") if r.range != "bytes=0-65535"]
+    tensors = len(json.loads((tmp_path / "local" / "reshard.json").read_text())["order"])
+    assert len(data) < tensors  # coalesced: fewer requests than the 4 coordinates' chunks of 25 tensors
+    assert all(r.status == 206 for r in data)
+    verify = cli(s3, "verify", tmp_path / "remote", "--against", url["src"])
+    assert verify.returncode == 0 and "equal to s3://" in verify.stdout, verify.stderr
+
+
+@pytest.mark.parametrize("how", ["workers", "torchrun"])
+def test_a_parallel_write_from_s3_is_the_same_bytes(s3, uploaded, tmp_path, how):
+    src, _, url = uploaded
+    write_checkpoint(src, tmp_path / "local", MESH, progress=False)
+    out = tmp_path / how
+    if how == "workers":
+        result = cli(s3, "write", url["src"], out, "--fsdp", 4, "--workers", 2, "-q")
+    else:
+        full = {**s3.environ("torchrun"), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "-m", "reshard", "write", url["src"], str(out), "--fsdp", "4", "-q"],
+                                capture_output=True, text=True, env=full, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    same_folders(out, tmp_path / "local")
+
+
+def test_mesh_to_mesh_and_merge_from_an_s3_reshard_folder_check_its_crcs(s3, uploaded, tmp_path):
+    src, folder, url = uploaded
+    result = cli(s3, "write", url["folder"], tmp_path / "fsdp2", "--fsdp", 2, "-q", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["source_crc32_checked"] is True
+    write_checkpoint(folder, tmp_path / "local-fsdp2", MeshSpec(fsdp=2), progress=False)
+    same_folders(tmp_path / "fsdp2", tmp_path / "local-fsdp2")
+    merged = cli(s3, "merge", url["folder"], tmp_path / "merged", "-q", "--json")
+    assert merged.returncode == 0, merged.stderr
+    assert cli(s3, "verify", tmp_path / "merged", "--against", src).returncode == 0
+
+
+def test_a_flipped_byte_in_an_s3_reshard_folder_is_refused(s3, uploaded, tmp_path):
+    _, folder, url = uploaded
+    name = "shard-00002-model-00001-of-00001.safetensors"
+    data = bytearray((folder / name).read_bytes())
+    data[-5] ^= 0x10
+    s3.put_bytes(f"{url['folder']}/{name}", bytes(data))
+    result = cli(s3, "merge", url["folder"], tmp_path / "merged", "-q")
+    assert result.returncode == 1 and name in result.stderr and "CRC-32" in result.stderr, result.stderr
+    assert not (tmp_path / "merged").exists()
+
+
+# ---- faults ---------------------------------------------------------------------------------------------------------
+
+def test_transient_errors_are_retried_and_then_named(s3, uploaded, tmp_path):
+    _, _, url = uploaded
+    s3.fail_next(2, status=503)
+    result = cli(s3, "plan", url["src"], "--fsdp", 4)
+    assert result.returncode == 0, result.stderr  # the third try of the first request went through
+    s3.fail_next(50, status=500)
+    result = cli(s3, "write", url["src"], tmp_path / "out", "--fsdp", 4, "-q")
+    assert result.returncode == 1, result.stderr
+    assert "failed after 4 attempts" in result.stderr and url["src"].split("/")[2] in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+# ---- loading from S3 ------------------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_a_4_rank_load_from_s3_is_exact_and_each_rank_reads_only_its_own_files(s3, uploaded, tmp_path):
+    src, folder, url = uploaded
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    run_ranks("load_remote.py", 4, url["folder"], src, reports, env=s3.environ("ranks"), timeout=300)
+    manifest = json.loads((folder / "reshard.json").read_text())
+    for report in rank_reports(reports, 4):
+        assert "error" not in report, report.get("traceback")
+        assert report["mismatched"] == [] and report["tensors"] == 25
+        rank = report["rank"]
+        own = set(manifest["coords"][rank]["files"])
+        touched = {r.key.rsplit("/", 1)[-1] for r in s3.requests(access_key=f"rank{rank}", method="GET")
+                   if r.key.startswith("folder/shard-")}
+        assert touched == own, (rank, touched)
+
+
+def test_a_one_process_load_and_the_storage_reader_read_s3(s3, uploaded):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    import reshard
+
+    src, _, url = uploaded
+    reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    model = reshard.from_pretrained(url["folder"])
+    assert all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())
+    state = {n: torch.zeros_like(t) for n, t in reference.items()}
+    reader = reshard.StorageReader(url["folder"])
+    dcp.load(state, storage_reader=reader)
+    assert all(torch.equal(state[n], reference[n]) for n in reference)
+
+
+@pytest.mark.multirank
+def test_a_server_that_goes_away_mid_load_stops_every_rank_with_one_error(tiny, tmp_path):
+    """Its own server (killing the session's would break later tests): every rank raises the same LoadError, in
+    under 60 s."""
+    from s3_server import S3Server
+
+    src = tiny("qwen3_moe", experts=6)
+    write_checkpoint(src, tmp_path / "folder", MESH, progress=False)
+    server = S3Server.start()
+    try:
+        bucket = server.new_bucket("gone")
+        server.put_folder(tmp_path / "folder", f"s3://{bucket}/folder")
+        # rank 2's first request for its file hangs, so the load is surely under way when the server goes
+        server.stall_next(1, 30, key="folder/shard-00003-model-00001-of-00001.safetensors")
+        reports = tmp_path / "reports"
+        reports.mkdir()
+        env = server.environ("ranks")
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node=4", "--monitor-interval=0.5",
+                                 str(REPO / "tests" / "ranks" / "load_remote.py"), f"s3://{bucket}/folder", str(src),
+                                 str(reports)], env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not [r for r in server.requests(method="GET", wait=0) if "/shard-" in r.key]:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1)
+        killed = time.monotonic()
+        server.kill()
+        out, err = proc.communicate(timeout=120)
+        stopped = time.monotonic() - killed
+    finally:
+        server.stop()
+    assert proc.returncode != 0
+    errors = {r["rank"]: r.get("error") for r in rank_reports(reports, 4)}
+    assert all(errors.values()), errors
+    assert len(set(errors.values())) == 1 and "LoadError" in errors[0], errors
+    assert stopped < 60, stopped
+
+
+def test_a_server_that_goes_away_mid_write_leaves_out_as_it_was(tiny, tmp_path):
+    """Its own server: `write --overwrite` over an existing OUT, the server killed while a data request hangs; the
+    command fails naming the URL, and OUT is the old folder, byte for byte, with no temporary beside it."""
+    from s3_server import S3Server
+
+    src = tiny("qwen3_moe", experts=6)
+    out = tmp_path / "models" / "out"
+    write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)
+    before = files_of(out)
+    server = S3Server.start()
+    try:
+        bucket = server.new_bucket("gone")
+        server.put_folder(src, f"s3://{bucket}/src")
+        env = {**server.environ("cli"), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RESHARD_CACHE_DIR": ""}
+        proc = subprocess.Popen([sys.executable, "-m", "reshard", "write", f"s3://{bucket}/src", str(out), "--fsdp", "4",
+                                 "--overwrite", "-q"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 120
+        while not server.requests(method="GET", key="src/model.safetensors", wait=0):  # its header, read
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        # the next request of the file, for data, hangs (the model's layout takes seconds to build before it)
+        server.stall_next(1, 60, key="src/model.safetensors")
+        time.sleep(8)
+        server.kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        server.stop()
+    assert proc.returncode == 1 and "failed after" in err and f"s3://{bucket}/src" in err, err
+    assert files_of(out) == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]  # no temporary, no lock left beside it
