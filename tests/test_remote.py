@@ -5,7 +5,6 @@ file, faults (transient errors retried, a server that goes away)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -11,7 +11,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from rank_report import finish, record_failure
 
