@@ -193,7 +193,7 @@ def test_write_checkpoint_writes_the_bytes_the_cli_writes(tiny, tmp_path):
     cli_files, api_files = _files(tmp_path / "cli"), _files(tmp_path / "api")
     assert len([n for n in cli_files if n.endswith(".safetensors")]) > 4  # split: the option reached the writer
     assert sorted(cli_files) == sorted(api_files) and cli_files == api_files
-    assert result.manifest.to_json() == api_files["reshard.json"]
+    assert result.manifest.to_json().encode() == api_files["reshard.json"]
 
 
 def test_write_checkpoint_refuses_workers_in_a_distributed_write(tiny, tmp_path):
