@@ -83,8 +83,8 @@ class RemoteStore(Store):
                     break
                 time.sleep(delay)
                 delay *= 2
-        tries = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
-        raise CheckpointError(f"{where}: {what} failed {tries} ({type(last).__name__}: {str(last)[:300]}). Check the "
+        tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+        raise CheckpointError(f"{where}: {what} failed after {tries} ({type(last).__name__}: {str(last)[:300]}). Check the "
                               "endpoint, the credentials and the network, then run the command again. Nothing was "
                               "kept.", path=where) from last
 
