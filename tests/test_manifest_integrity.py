@@ -168,6 +168,40 @@ def test_a_flipped_dtype_with_its_crc_restamped_is_refused_by_verify_the_load_an
         read_dcp_source(folder)  # merge and a write from this folder (mesh to mesh) read it so
 
 
+def swap_offsets(folder: Path) -> tuple[str, str]:
+    """Tamper as an adversary would: the `data_offsets` of two same-size tensors of VICTIM swapped (every tensor
+    still contiguous, the header the same length), its CRC-32 re-stamped. Returns the two names, in file order."""
+    path = folder / VICTIM
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header, data = split_file(path)
+    by_start = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
+    (a, first), (b, second) = next(
+        (x, y) for x, y in zip(by_start, by_start[1:])
+        if x[0][1] - x[0][0] == y[0][1] - y[0][0] > 0 and data[x[0][0]:x[0][1]] != data[y[0][0]:y[0][1]])
+    header[first]["data_offsets"], header[second]["data_offsets"] = b, a
+    join_file(path, header, data, pad_to=length)
+    restamp(folder, VICTIM)
+    return first, second
+
+
+def test_swapped_data_offsets_with_the_crc_restamped_are_refused_everywhere(written, tmp_path):
+    """Offsets are derived from the manifest's order, not trusted: a swap of two same-size tensors keeps the data
+    contiguous, so only the order catches it. verify, the one-process load, the reader and merge refuse it."""
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "swap", real=(VICTIM,))
+    first, second = swap_offsets(folder)
+    said = f"{VICTIM}: {first}'s data begins at byte"
+    code, text = cli_run("verify", folder)
+    assert code == 1 and said in text and "the manifest's order puts it" in text, text
+    with pytest.raises(LoadError, match=re.escape(said)):
+        reshard.from_pretrained(folder)
+    assert isinstance(error := reader_error(folder, reference), LoadError) and said in str(error)
+    with pytest.raises(ReshardError, match=re.escape(said)):
+        read_dcp_source(folder)
+    code, text = cli_run("merge", folder, tmp_path / "merged")
+    assert code == 1 and said in text and not (tmp_path / "merged").exists(), text
+
+
 @pytest.mark.multirank
 def test_a_flipped_dtype_stops_every_rank_of_a_four_rank_load_with_one_agreed_error(written, tmp_path):
     out, src, _ = written
