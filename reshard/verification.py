@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MeshError, ReshardError, UsageError, VerifyError
-from .manifest import (MANIFEST_NAME, coverage_problems, header_problems, member_problem, open_member, read_manifest,
-                       tied_from_record)
+from .manifest import (MANIFEST_NAME, copied_problems, coverage_problems, header_problems, member_problem, open_member,
+                       read_manifest, tied_from_record)
 from .plan.dtypes import DTYPE_BITS
+from .plan.mesh import ranks_text
 from .read.checkpoint import read_header
 from .runs.engine import COPY_BUFFER_BYTES
 from .runs.byte_runs import chunk_runs
@@ -169,9 +170,10 @@ def _check(manifest, against, revision, checksums, bar, problems, corrupt, dequa
     headers = {}
     markers = 0
     problems += coverage_problems(data)
+    problems += copied_problems(folder, manifest.copied)  # a folder whose config cannot load does not pass
     for entry in manifest.files:
         header = listed.header(entry.name, entry.bytes, entry.crc32,
-                               f"rank(s) {list(manifest.coords[entry.coord].ranks)} read it")
+                               f"{ranks_text(manifest.coords[entry.coord].ranks)} read it")
         if header is None:
             continue
         headers[entry.name] = header

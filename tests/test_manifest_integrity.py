@@ -284,6 +284,78 @@ def test_a_link_inside_the_folder_to_a_regular_file_elsewhere_loads(written, tmp
     assert_exact(assemble_state_dict(copy_folder(out, tmp_path / "links")), reference)  # every shard is a link
 
 
+# ---- config.json and the other copied files: checked by verify and before every load ------------------------------
+
+SPECIAL = {"dev-zero": lambda p: os.symlink("/dev/zero", p), "fifo": lambda p: os.mkfifo(p),
+           "folder": lambda p: p.mkdir()}
+
+
+@pytest.mark.parametrize("name, kind", [("config.json", "dev-zero"), ("config.json", "fifo"), ("config.json", "folder"),
+                                        ("generation_config.json", "dev-zero"), ("generation_config.json", "fifo")])
+def test_a_copied_file_that_is_not_a_regular_file_fails_verify_and_every_load(written, tmp_path, name, kind):
+    """A link to /dev/zero passed verify and made the load raise a raw ValueError; a FIFO would block the open. (The
+    model class's own from_pretrained under the patch checks too; an Auto class reads config.json before it.)"""
+    from transformers import Qwen3MoeForCausalLM
+
+    out, _, _ = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / name).unlink()
+    SPECIAL[kind](folder / name)
+    said = f"{name}: a {'device' if kind == 'dev-zero' else kind.replace('fifo', 'FIFO')}, not a regular file"
+    with alarm():
+        code, text = cli_run("verify", folder)
+        assert code == 1 and said in text and "FAIL" in text, text
+        with pytest.raises(LoadError, match=said) as caught:
+            reshard.from_pretrained(folder)
+        assert "cannot be loaded" in str(caught.value) and "write the folder again" in str(caught.value)
+        with reshard.patch_transformers(), pytest.raises(LoadError, match=said):
+            Qwen3MoeForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("case", ["deleted", "not-json", "a-list"])
+def test_a_folder_whose_config_cannot_load_fails_verify(written, tmp_path, case):
+    """config.json deleted from OUT: verify said OK on a folder that cannot load."""
+    out, _, _ = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / "config.json").unlink()
+    if case != "deleted":
+        (folder / "config.json").write_text({"not-json": "{\"model_type\": ", "a-list": "[]"}[case])
+    said = {"deleted": "config.json: missing", "not-json": "config.json: not valid JSON",
+            "a-list": "config.json: list, not the JSON object of a model config"}[case]
+    code, text = cli_run("verify", folder)
+    assert code == 1 and said in text and "copy it from the source checkpoint" in text, text
+    with alarm(), pytest.raises(LoadError, match=said):
+        reshard.from_pretrained(folder)
+
+
+def test_a_config_passed_by_the_caller_needs_no_config_json(written, tmp_path):
+    from transformers import AutoConfig
+
+    out, src, reference = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / "config.json").unlink()
+    doc = load_doc(folder)
+    doc["copied"] = [n for n in doc["copied"] if n != "config.json"]
+    save_doc(folder, doc)
+    model = reshard.from_pretrained(folder, config=AutoConfig.from_pretrained(src))
+    assert_exact(model.state_dict(), reference)
+
+
+@pytest.mark.multirank
+def test_config_json_linked_to_dev_zero_stops_every_rank_of_a_four_rank_load(written, tmp_path):
+    out, src, _ = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / "config.json").unlink()
+    os.symlink("/dev/zero", folder / "config.json")
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    result = run_ranks("load_reshard.py", FSDP, "reshard", folder, src, reports, FSDP, EP, timeout=180, check=False)
+    assert result.returncode != 0
+    for report in rank_reports(reports, FSDP):
+        assert report["error"].startswith("LoadError"), report
+        assert "config.json: a device, not a regular file" in report["error"], report
+
+
 # ---- row 5: an absurd mesh ---------------------------------------------------------------------------------------
 
 def test_an_absurd_mesh_is_refused_before_anything_expands(written, tmp_path):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..errors import ReshardError, VerifyError
 from ..launch import gather, raise_if_any
-from ..manifest import MANIFEST_NAME, Manifest, header_problems, member_problem, read_manifest
+from ..errors import LoadError
+from ..manifest import MANIFEST_NAME, Manifest, copied_problems, header_problems, member_problem, read_manifest
 from ..read.checkpoint import read_header
 
 _MESH_FIELDS = ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size")
@@ -46,6 +47,14 @@ def _check_own_files(manifest: Manifest, rank: int) -> str | None:
     return None
 
 
+def check_copied(manifest: Manifest, *, need_config: bool = True) -> None:
+    """Refuse a folder whose copied non-weight files cannot load (`copied_problems`: a special file such as a link
+    to /dev/zero or a FIFO, a missing or unparsable config.json) with a `LoadError` saying what to do, before
+    transformers opens one (a raw `ValueError`, or an open that blocks). `need_config`: no config was passed."""
+    if problems := copied_problems(manifest.path, manifest.copied, config=need_config):
+        raise LoadError(f"{manifest.path} cannot be loaded: {'; '.join(problems)}")
+
+
 def _config_mismatch(distributed_config, manifest: Manifest) -> str | None:
     mesh = manifest.mesh
     given = {k: getattr(distributed_config, k) for k in _MESH_FIELDS}
@@ -57,7 +66,8 @@ def _config_mismatch(distributed_config, manifest: Manifest) -> str | None:
             f"Pass {mesh.distributed_config_repr()} or omit distributed_config.")
 
 
-def _local_checks(folder: Path, distributed_config, rank: int, world: int, *, require_manifest: bool):
+def _local_checks(folder: Path, distributed_config, rank: int, world: int, *, require_manifest: bool,
+                  need_config: bool):
     """This rank's view before loading: (has a manifest, the manifest or None, a problem or None). Never raises."""
     if not require_manifest and not (folder / MANIFEST_NAME).is_file():
         return False, None, None
@@ -75,12 +85,16 @@ def _local_checks(folder: Path, distributed_config, rank: int, world: int, *, re
                                     f"{mesh.world_size} ranks, or write the checkpoint again for this mesh.")
         if distributed_config is not None and (mismatch := _config_mismatch(distributed_config, manifest)):
             return True, manifest, mismatch
+        check_copied(manifest, need_config=need_config)
         return True, manifest, _check_own_files(manifest, rank)
+    except LoadError as e:
+        return True, manifest, str(e)
     except Exception as e:  # noqa: BLE001
         return True, manifest, f"{type(e).__name__}: {e}"
 
 
-def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require_manifest: bool = True):
+def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require_manifest: bool = True,
+                  need_config: bool = True):
     """Make every pre-load check on every rank and agree on the outcome in one collective.
 
     Args:
@@ -89,6 +103,7 @@ def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require
         require_manifest: a folder without `reshard.json` is an error (`reshard.from_pretrained`); when False
             (transformers' own `from_pretrained` under the patch), a folder without it on every rank is not a
             reshard folder and None is returned.
+        need_config: the folder's config.json must be there (the caller passes no `config`).
 
     Returns:
         (manifest, distributed_config) on every rank, or None when no rank has a manifest and none is required.
@@ -102,7 +117,7 @@ def agree_to_load(folder: str | os.PathLike, distributed_config=None, *, require
     folder = Path(folder)
     rank, world = dist.get_rank(), dist.get_world_size()
     has, manifest, problem = _local_checks(folder, distributed_config, rank, world,
-                                           require_manifest=require_manifest)
+                                           require_manifest=require_manifest, need_config=need_config)
     views = gather((has, problem))
     if not require_manifest and not any(h for h, _ in views):
         return None

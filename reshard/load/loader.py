@@ -14,7 +14,7 @@ from ..errors import LoadError, ReshardError, VerifyError
 from ..launch import group_exists, group_owned, in_distributed_job
 from ..manifest import Manifest, coverage_problems, file_crc32, header_problems, member_problem, read_manifest
 from ..read.checkpoint import read_header, torch_dtype
-from .agreement import agree_to_load
+from .agreement import agree_to_load, check_copied
 from .patch import active_manifest, install, uninstall_unless_user
 
 
@@ -66,7 +66,8 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
             return _load_whole(folder, manifest, _model_class(manifest, model_class),
                                check_checksums=check_checksums, **kwargs)
         with group_owned(created=not had_group):
-            manifest, distributed_config = agree_to_load(folder, distributed_config)
+            manifest, distributed_config = agree_to_load(folder, distributed_config,
+                                                         need_config=kwargs.get("config") is None)
             with active_manifest(manifest.data, checksums=check_checksums):
                 return _model_class(manifest, model_class).from_pretrained(
                     folder, distributed_config=distributed_config, **kwargs)
@@ -130,6 +131,7 @@ def assemble_state_dict(folder: str | os.PathLike, *, check_checksums: bool = Tr
 def _load_whole(folder: Path, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):
     from transformers import AutoConfig
 
+    check_copied(manifest, need_config=kwargs.get("config") is None)  # before transformers opens any of them
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(folder)
     state_dict = assemble_state_dict(folder, check_checksums=check_checksums)
     with active_manifest(manifest.data):

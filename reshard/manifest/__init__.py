@@ -17,7 +17,7 @@ from .entries import Chunk, CoordEntry, FileEntry, TensorInfo, file_chunks, plac
 from .format import (DCP_SHARDING_INFO_KEY, DCP_VERSION, DCP_VERSION_KEY, EXTRA_FILE, MANIFEST_FORMAT, MANIFEST_NAME,
                      MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, dcp_metadata, dump_manifest, extra_file_name,
                      shard_file_name)
-from .members import check_member, file_crc32, member_problem, open_member, plain_name_problem
+from .members import check_member, copied_problems, file_crc32, member_problem, open_member, plain_name_problem
 from .parsed import MAX_MANIFEST_BYTES, Manifest, header_problems, read_manifest
 from .source_layout import (SOURCE_LAYOUT_VERSION, OnDisk, recorded_source_layout, source_layout_record,
                             tied_from_record)
@@ -26,9 +26,9 @@ from .validate import validate_manifest
 __all__ = [
     "Chunk", "CoordEntry", "DCP_SHARDING_INFO_KEY", "DCP_VERSION", "DCP_VERSION_KEY", "EXTRA_FILE", "FileEntry",
     "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "Manifest", "OnDisk",
-    "SAVED_OFFSETS_KEY", "SHARD_FILE", "SOURCE_LAYOUT_VERSION", "TensorInfo", "check_member", "coverage_problem",
-    "coverage_problems", "dcp_metadata", "dump_manifest", "extra_file_name", "file_chunks", "file_crc32",
-    "header_problems", "manifest_document", "member_problem", "open_member", "placement_of", "plain_name_problem",
-    "read_manifest", "recorded_source_layout", "region_text", "shard_file_name",
+    "SAVED_OFFSETS_KEY", "SHARD_FILE", "SOURCE_LAYOUT_VERSION", "TensorInfo", "check_member", "copied_problems",
+    "coverage_problem", "coverage_problems", "dcp_metadata", "dump_manifest", "extra_file_name", "file_chunks",
+    "file_crc32", "header_problems", "manifest_document", "member_problem", "open_member", "placement_of",
+    "plain_name_problem", "read_manifest", "recorded_source_layout", "region_text", "shard_file_name",
     "source_layout_record", "tied_from_record", "validate_manifest",
 ]

@@ -6,6 +6,7 @@ a device swapped in for a shard is refused before a byte is read, and never bloc
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import zlib
@@ -85,3 +86,44 @@ def file_crc32(path: str | Path) -> str:
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
     return f"{crc:08x}"
+
+
+CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 64 << 20  # far above any model's config.json; a longer one is not one
+
+
+def copied_problems(folder: str | Path, copied, *, config: bool = True) -> list[str]:
+    """What keeps the folder's copied non-weight files (`copied`: config, generation config, tokenizer files) from
+    loading: each must be there and a regular file (`open_member`: a link to one is fine; a FIFO, a device or a
+    folder is refused without blocking), and `config.json`, which a load builds the model from, must parse as a JSON
+    object (`config` False: the caller brings its own config). Each problem says what to do."""
+    fix = "copy it from the source checkpoint, or write the folder again with `reshard write`"
+    problems = []
+    for name in copied:
+        if not os.path.lexists(Path(folder) / name):
+            problems.append(f"{name}: missing, though reshard.json lists it as copied from the source; {fix}")
+        elif problem := member_problem(folder, name):
+            problems.append(problem)
+    if config and CONFIG_NAME not in copied and not os.path.lexists(Path(folder) / CONFIG_NAME):
+        problems.append(f"{CONFIG_NAME}: missing; a load builds the model from it: {fix}")
+    elif config and not any(p.startswith(f"{CONFIG_NAME}:") for p in problems):
+        problems += _config_problems(folder, fix)
+    return problems
+
+
+def _config_problems(folder: str | Path, fix: str) -> list[str]:
+    try:
+        with open_member(folder, CONFIG_NAME) as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            return [f"{CONFIG_NAME}: over {MAX_CONFIG_BYTES} bytes, not a model config; {fix}"]
+        document = json.loads(raw)
+    except ManifestError as e:
+        return list(e.problems)
+    except OSError as e:
+        return [f"{CONFIG_NAME}: cannot be read ({e.strerror or e}); {fix}"]
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested past the parser
+        return [f"{CONFIG_NAME}: not valid JSON ({type(e).__name__}: {str(e)[:120]}); {fix}"]
+    if not isinstance(document, dict):
+        return [f"{CONFIG_NAME}: {type(document).__name__}, not the JSON object of a model config; {fix}"]
+    return []

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from .dtypes import DTYPE_BITS
 from .layout import TargetTensor
-from .placement import Box, ReshardPlan, local_box
+from .placement import Box, ReshardPlan, local_box, local_sizes
 
 
 class ChunkSpec(NamedTuple):
@@ -81,6 +81,8 @@ def coordinate_sizes(plan: ReshardPlan) -> list[int]:
     members = [0] * len(kinds)
     for _, kind in tensors:
         members[kind] += 1
-    return [sum(count * math.prod(n for _, n in local_box(shape, placement, plan.mesh, coord)) * DTYPE_BITS[dtype] // 8
-                for (shape, placement, dtype), count in zip(kinds, members))
-            for coord in range(plan.mesh.num_coords)]
+    sizes = [0] * plan.mesh.num_coords
+    for (shape, placement, dtype), count in zip(kinds, members):
+        scale = count * DTYPE_BITS[dtype] // 8  # byte-sized dtypes only (sub-byte ones are refused when read)
+        sizes = [total + scale * n for total, n in zip(sizes, local_sizes(shape, placement, plan.mesh))]
+    return sizes

@@ -33,6 +33,7 @@ from pathlib import Path
 from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, read_config, read_header
 from ..errors import CheckpointError
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, whole_tensor
+from ..plan.mesh import ranks_text
 from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, check_member, coverage_problem,
                         header_problems, read_manifest, recorded_source_layout, region_text, tied_from_record)
 
@@ -121,9 +122,9 @@ def _read_reshard_folder(path: Path) -> tuple[DcpIndex, ModelLayout]:
     chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...]]]] = {name: [] for name in data["order"]}
     for entry in manifest.files:
         file = path / entry.name
-        ranks = list(manifest.coords[entry.coord].ranks)
         if not os.path.exists(file):
-            raise CheckpointError(f"{file}: missing (the file of rank(s) {ranks}); the folder is incomplete. Copy the "
+            ranks = ranks_text(manifest.coords[entry.coord].ranks)
+            raise CheckpointError(f"{file}: missing (the file of {ranks}); the folder is incomplete. Copy the "
                                   "file back, or write the folder again. Nothing was written.", path=str(file))
         check_member(path, entry.name)  # a FIFO or a device: refused before it is opened
         header = read_header(file)
