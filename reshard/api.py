@@ -89,10 +89,12 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
     """
     from .write.distributed import use_distributed, write_distributed
+    from .plan.files import check_max_shard_size
     from .write.shards import WriteJob, write_shards
 
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
+    check_max_shard_size(max_shard_size)
     read_plan = functools.partial(_read_and_plan, source, mesh, mode=mode, revision=revision, dequantize=dequantize,
                                   drop_unloaded=drop_unloaded)
     if use_distributed(distributed, workers, "write"):  # more workers per rank are refused before anything is read

@@ -61,22 +61,40 @@ class ReshardGroup(click.Group):
             raise click.ClickException(str(e)) from e
         except KeyboardInterrupt as e:
             signum = _interrupting_signal(e)
-            click.echo(f"interrupted ({signum.name}); nothing partial was left behind.", err=True)
+            click.echo(f"interrupted ({signum.name}); {_left_behind()}", err=True)
             sys.exit(128 + signum)
+
+
+def _left_behind() -> str:
+    """What an interrupted command left on disk: a write or merge may leave part of its temporary folder, when its
+    removal ran out of time (`reshard.write.staged.remove_within`); any other command writes nothing."""
+    staged = sys.modules.get("reshard.write.staged")  # not imported: no write ran, so nothing was left
+    return staged.left_behind_text() if staged is not None else "nothing partial was left behind."
+
+
+class Count(click.IntRange):
+    """click's `IntRange` for text in ASCII digits only: Python's `int` also reads '٣' (an Arabic-Indic 3), '1_000'
+    and other scripts' digits, which a flag must not take silently."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
+            accepted = f"{self.min} to {self.max}" if self.max is not None else f"{self.min} or more"
+            self.fail(f"{value!r} is not a whole number in ASCII digits 0-9 ({accepted}).", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def mesh_options(func):
     """The mesh flags shared by every command, mirroring transformers' DistributedConfig."""
 
-    @click.option("--fsdp", type=click.IntRange(min=1), required=True,
+    @click.option("--fsdp", type=Count(min=1), required=True,
                   help="fsdp_size: ranks sharding every parameter (with EP, experts use efsdp = fsdp*tp/ep).")
-    @click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+    @click.option("--ep", type=Count(min=1), default=1, show_default=True,
                   help="ep_size: expert-parallel ranks; must divide fsdp and the number of experts.")
-    @click.option("--dp-replicate", type=click.IntRange(min=1), default=1, show_default=True,
+    @click.option("--dp-replicate", type=Count(min=1), default=1, show_default=True,
                   help="dp_replicate_size: HSDP replicas; replicas share the same files.")
-    @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+    @click.option("--tp", type=Count(min=1), default=1, show_default=True,
                   help="tp_size: tensor parallelism (not supported yet: must be 1).")
-    @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
+    @click.option("--pp", type=Count(min=1), default=1, show_default=True,
                   help="pp_size: pipeline parallelism (not supported yet: must be 1).")
     @functools.wraps(func)
     def wrapper(*args, fsdp, ep, dp_replicate, tp, pp, **kwargs):
@@ -172,10 +190,14 @@ def main() -> None:
 def _parse_size(text: str) -> int:
     units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
              "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)  # one number: `1.2.3` is a usage error
+    # one number in ASCII digits (`\d` would take any script's digits): `1.2.3` is a usage error
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in units:
-        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000.")
-    return int(float(m.group(1)) * units[m.group(2).upper()])
+        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000 (1 byte or more).")
+    size = int(float(m.group(1)) * units[m.group(2).upper()])
+    if size < 1:  # 0 would put no tensor in any file
+        raise click.BadParameter(f"{text!r} is {size} bytes; a size is 1 byte or more, like 5GB, 500MiB or 1000000.")
+    return size
 
 
 class ParsedType(click.ParamType):
@@ -207,7 +229,7 @@ class SizeType(ParsedType):
 @click.option("--max-shard-size", type=SizeType(), default=None,
               help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=Count(min=1), default=None,
               help="Processes writing on this machine (same output). Default: up to 4, by cores and size; every "
                    "core with --dequantize.")
 @click.option("--distributed/--no-distributed", default=None,
@@ -334,7 +356,7 @@ def verify_command(out, against, revision, no_checksums, quiet, as_json):
 
 
 @cli.command(short_help="Run the whole job on a tiny generated model (nothing downloaded).")
-@click.option("--ranks", type=click.IntRange(min=2, max=16), default=4, show_default=True,
+@click.option("--ranks", type=Count(min=2, max=16), default=4, show_default=True,
               help="CPU processes for the multi-rank load (the mesh is --fsdp RANKS).")
 @click.option("--keep", type=click.Path(file_okay=False), metavar="DIR", default=None,
               help="Keep the generated checkpoint, the output and the rank reports in this folder.")
@@ -368,13 +390,17 @@ class RankSpans(tuple):
         return sorted({r for first, last in self for r in range(first, last + 1)})
 
 
+_RANK_SPAN = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits: str.isdigit also takes '٣' and '²'
+
+
 def _parse_ranks(text: str) -> RankSpans:
     spans = []
     for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
-            raise click.BadParameter(f"{text!r} is not a rank list like 0-7 or 0,8,16-23.")
-        spans.append((int(first), int(last or first)))
+        m = _RANK_SPAN.fullmatch(part.strip())
+        if not m or (m[2] is not None and int(m[2]) < int(m[1])):
+            raise click.BadParameter(f"{text!r} is not a rank list like 0-7 or 0,8,16-23 (ranks in ASCII digits "
+                                     "0-9, a span FIRST-LAST with FIRST <= LAST).")
+        spans.append((int(m[1]), int(m[2] or m[1])))
     return RankSpans(spans)
 
 
@@ -427,7 +453,7 @@ def files_command(out, ranks, as_json):
 @click.option("--extras-from", "extras_from", metavar="FOLDER", default=None,
               help="For a saved SRC: the folder training started from, whose unloaded tensors (MTP layers) DEST "
                    "gets back.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=Count(min=1), default=None,
               help="Processes writing DEST's files on this machine (same output). Default: up to 4, by cores and "
                    "size.")
 @click.option("--distributed/--no-distributed", default=None,

@@ -358,19 +358,22 @@ def test_config_json_linked_to_dev_zero_stops_every_rank_of_a_four_rank_load(wri
 
 # ---- row 5: an absurd mesh ---------------------------------------------------------------------------------------
 
-def test_an_absurd_mesh_is_refused_before_anything_expands(written, tmp_path):
+@pytest.mark.parametrize("fsdp, said", [
+    (40_000_000, "a world size of 40,000,000 ranks (pp 1 x dp_replicate 1 x fsdp 40000000 x tp 1) is over the 65,536"),
+    (4096, "mesh.fsdp is 4096: the manifest lists 4 coordinates"),
+])
+def test_an_absurd_mesh_is_refused_before_anything_expands(written, tmp_path, fsdp, said):
     out, _, reference = written
     folder = copy_folder(out, tmp_path / "huge")
     doc = load_doc(folder)
-    doc["mesh"]["fsdp"] = 40_000_000
+    doc["mesh"]["fsdp"] = fsdp
     save_doc(folder, doc)
-    said = "mesh.fsdp is 40000000: the manifest lists 4 coordinates"
-    with alarm(10):  # answered in milliseconds: the coordinates listed bound the work
+    with alarm(10):  # answered in milliseconds: the mesh bound and the coordinates listed bound the work
         code, text = cli_run("verify", folder)
         assert code == 1 and said in text, text
-        with pytest.raises(LoadError, match=said):
+        with pytest.raises(LoadError, match=re.escape(said)):
             reshard.from_pretrained(folder)
-        with pytest.raises(LoadError, match=said):
+        with pytest.raises(LoadError, match=re.escape(said)):
             reshard.StorageReader(folder)
 
 
@@ -410,6 +413,41 @@ def test_a_malformed_manifest_is_one_clear_error_everywhere(written, tmp_path, c
         with pytest.raises(ManifestError, match=said.replace("[", r"\[").replace("]", r"\]")) as caught:
             call(folder)
         assert isinstance(caught.value, VerifyError) and isinstance(caught.value, LoadError)
+
+
+@pytest.mark.parametrize("version", [4, 99])
+def test_a_manifest_from_a_newer_reshard_says_to_upgrade(written, tmp_path, version):
+    """It was refused with "restore or rewrite" (damage), which neither helps nor is true: a newer reshard wrote it."""
+    out, _, _ = written
+    folder = copy_folder(out, tmp_path / "newer")
+    save_doc(folder, {**load_doc(folder), "version": version, "tool": "reshard 9.0.0"})
+    said = f"written by a newer reshard (manifest version {version}, by 'reshard 9.0.0'); upgrade reshard"
+    for args in (("verify", folder), ("files", folder, "--ranks", "0"), ("merge", folder, tmp_path / "merged")):
+        code, text = cli_run(*args)
+        assert code == 1 and said in text and "Nothing was changed" in text, (args, text)
+        assert "Restore its reshard.json" not in text and "write the folder again" not in text, text
+    with pytest.raises(LoadError, match=re.escape(said)):
+        reshard.from_pretrained(folder)
+    assert not (tmp_path / "merged").exists()
+
+
+def test_a_version_2_manifest_listing_each_coordinates_ranks_is_still_read_and_checked(written, tmp_path):
+    """Version 2 listed `ranks` per coordinate (one per replica, so it grew with dp_replicate); version 3 derives
+    them from the mesh. An older folder loads, and its list is still checked."""
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "v2")
+    doc = load_doc(folder)
+    assert doc["version"] == 3 and all("ranks" not in c for c in doc["coords"])
+    doc["version"] = 2
+    for c in doc["coords"]:
+        c["ranks"] = [c["coord"]]
+    save_doc(folder, doc)
+    assert list(read_manifest(folder).coords[3].ranks) == [3]
+    assert_exact(assemble_state_dict(folder), reference)
+    doc["coords"][1]["ranks"] = [2]
+    save_doc(folder, doc)
+    with pytest.raises(ManifestError, match=re.escape("coords[1].ranks is [2]: the ranks of coordinate 1")):
+        read_manifest(folder)
 
 
 def test_transformers_under_the_patch_validates_the_manifest_too(written, tmp_path):

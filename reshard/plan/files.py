@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ..errors import UsageError
 from .dtypes import DTYPE_BITS
 from .layout import TargetTensor
 from .placement import Box, ReshardPlan, local_box, local_sizes
@@ -56,6 +57,17 @@ def _kinds_of(plan: ReshardPlan) -> tuple[list[tuple], list[tuple[TargetTensor, 
                    for tp in plan.tensors]
         _last_kinds[:] = [plan, (list(kinds), tensors)]
     return _last_kinds[1]
+
+
+def check_max_shard_size(value) -> None:
+    """Refuse a file size that would split nothing sensibly: 0 (read as "no limit") or below (a file per tensor).
+
+    Raises:
+        UsageError: `value` is neither None nor a whole number of bytes, 1 or more.
+    """
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UsageError(f"max_shard_size {value!r}: a file size is a whole number of bytes, 1 or more (or None for "
+                         "no limit). Nothing was changed.")
 
 
 def split_parts(items: list, max_bytes: int | None, *, nbytes=lambda item: item[0].nbytes) -> list[list]:

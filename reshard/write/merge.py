@@ -26,7 +26,7 @@ from .. import __version__
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME
 from ..plan.dtypes import DTYPE_BITS
-from ..plan.files import ChunkSpec, split_parts
+from ..plan.files import ChunkSpec, check_max_shard_size, split_parts
 from ..plan.layout import ModelLayout, TargetTensor
 from ..plan.placement import Box
 from ..read.checkpoint import INDEX_NAME
@@ -367,11 +367,12 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = DEFAULT_MAX_S
             file's CRC-32 differs from its manifest's (checked as the copy runs; nothing is kept).
         OutputError: `dest` exists and may not be replaced, is or holds the source, another write holds it, or
             the disk is full; nothing partial is left.
-        UsageError: `workers` above 1 in a distributed merge.
+        UsageError: `workers` above 1 in a distributed merge, or a `max_shard_size` below 1 byte.
 
     Example:
         >>> merge_checkpoint("ckpt-step1000", "published")  # doctest: +SKIP
     """
+    check_max_shard_size(max_shard_size)
     jobs: list[MergeJob] = []
 
     def read_job() -> MergeJob:

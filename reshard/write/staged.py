@@ -35,6 +35,10 @@ INTERRUPT_CLEANUP_S = 1.0  # an interrupted write removes its temporary folder t
 TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
 LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
 
+# (temporary folder, OUT) pairs an interrupted write of this process could not remove in time (`remove_within`): the
+# CLI's last line names them instead of saying that nothing was left (`left_behind_text`).
+left_behind: list[tuple[Path, Path]] = []
+
 
 # ---- what may be replaced ----------------------------------------------------------------------------------------
 
@@ -229,7 +233,7 @@ def remove_within(folder: Path, out: Path, seconds: float) -> None:
         with os.scandir(stale) as entries:
             for entry in entries:
                 if time.monotonic() > deadline:
-                    return
+                    break
                 try:
                     if entry.is_dir(follow_symlinks=False):
                         shutil.rmtree(entry.path)
@@ -237,9 +241,26 @@ def remove_within(folder: Path, out: Path, seconds: float) -> None:
                         os.unlink(entry.path)
                 except OSError:
                     pass
-        os.rmdir(stale)
+        os.rmdir(stale)  # fails while entries remain: the time ran out
     except OSError:
         pass
+    if os.path.lexists(stale):
+        left_behind.append((stale, out))
+
+
+def left_behind_text() -> str:
+    """What the interrupted writes of this process left on disk and when it is cleaned, for the CLI's last line."""
+    if not left_behind:
+        return "nothing partial was left behind."
+    lines = []
+    for folder, out in left_behind:
+        try:
+            count = f" ({len(os.listdir(folder))} entries)"
+        except OSError:
+            count = ""
+        lines.append(f"the temporary folder {folder}{count} was left behind, not yet removed; the next `reshard "
+                     f"write` or `reshard merge` into {out} removes it, or delete it yourself.")
+    return " ".join(lines)
 
 
 # ---- the lock and the temporaries of earlier writes --------------------------------------------------------------
