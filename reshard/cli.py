@@ -19,6 +19,7 @@ import sys
 import click
 
 from .errors import ReshardError, UsageError
+from .params import Count, RanksType, SizeType
 
 
 def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
@@ -70,17 +71,6 @@ def _left_behind() -> str:
     removal ran out of time (`reshard.write.staged.remove_within`); any other command writes nothing."""
     staged = sys.modules.get("reshard.write.staged")  # not imported: no write ran, so nothing was left
     return staged.left_behind_text() if staged is not None else "nothing partial was left behind."
-
-
-class Count(click.IntRange):
-    """click's `IntRange` for text in ASCII digits only: Python's `int` also reads '٣' (an Arabic-Indic 3), '1_000'
-    and other scripts' digits, which a flag must not take silently."""
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, str) and not re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
-            accepted = f"{self.min} to {self.max}" if self.max is not None else f"{self.min} or more"
-            self.fail(f"{value!r} is not a whole number in ASCII digits 0-9 ({accepted}).", param, ctx)
-        return super().convert(value, param, ctx)
 
 
 def mesh_options(func):
@@ -185,39 +175,6 @@ def _write_line(src, mesh, mode, revision, *, quantized: bool) -> str:
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="reshard")
-
-
-def _parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
-    # one number in ASCII digits (`\d` would take any script's digits): `1.2.3` is a usage error
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in units:
-        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000 (1 byte or more).")
-    size = int(float(m.group(1)) * units[m.group(2).upper()])
-    if size < 1:  # 0 would put no tensor in any file
-        raise click.BadParameter(f"{text!r} is {size} bytes; a size is 1 byte or more, like 5GB, 500MiB or 1000000.")
-    return size
-
-
-class ParsedType(click.ParamType):
-    """A flag whose text `parse` turns into a value, raising `click.BadParameter` with the message; a value that is
-    already `parsed` (a default) passes as it is."""
-
-    parse = staticmethod(str)
-    parsed: type = str
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, self.parsed):
-            return value
-        try:
-            return self.parse(value)
-        except click.BadParameter as e:
-            self.fail(e.message, param, ctx)
-
-
-class SizeType(ParsedType):
-    name, parse, parsed = "size", staticmethod(_parse_size), int
 
 
 @cli.command(short_help="Write SRC into OUT as per-rank files for the mesh.")
@@ -371,41 +328,6 @@ def demo(ranks, keep):
     from .demo import run_demo
 
     run_demo(ranks=ranks, keep=keep, echo=click.echo)
-
-
-class RankSpans(tuple):
-    """`--ranks` as typed: inclusive `(first, last)` spans, expanded only once bounded by the mesh (`expand`): a
-    span like 0-99999999999 must never become a list first."""
-
-    def expand(self, world: int) -> list[int]:
-        """The ranks, sorted and distinct.
-
-        Raises:
-            UsageError: a rank is outside a mesh of `world` ranks (nothing is expanded then).
-        """
-        top = max(last for _, last in self)
-        if top >= world:
-            raise UsageError(f"--ranks names rank {top}, but the folder's mesh has {world} ranks (0-{world - 1}); "
-                             "pass ranks of that mesh. Nothing was listed.")
-        return sorted({r for first, last in self for r in range(first, last + 1)})
-
-
-_RANK_SPAN = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits: str.isdigit also takes '٣' and '²'
-
-
-def _parse_ranks(text: str) -> RankSpans:
-    spans = []
-    for part in text.split(","):
-        m = _RANK_SPAN.fullmatch(part.strip())
-        if not m or (m[2] is not None and int(m[2]) < int(m[1])):
-            raise click.BadParameter(f"{text!r} is not a rank list like 0-7 or 0,8,16-23 (ranks in ASCII digits "
-                                     "0-9, a span FIRST-LAST with FIRST <= LAST).")
-        spans.append((int(m[1]), int(m[2] or m[1])))
-    return RankSpans(spans)
-
-
-class RanksType(ParsedType):
-    name, parse, parsed = "ranks", staticmethod(_parse_ranks), RankSpans
 
 
 @cli.command(name="files", short_help="List the files RANKS need to load OUT (node-local copies).")

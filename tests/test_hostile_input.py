@@ -26,8 +26,9 @@ from safetensors.torch import load_file
 
 import reshard.write.shards as write_module
 from reshard.api import write_checkpoint
-from reshard.cli import _parse_ranks, cli
+from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError, UsageError
+from reshard.params import parse_ranks
 from reshard.plan.mesh import MeshSpec
 from reshard.read.checkpoint import read_checkpoint
 from reshard.verification import check_folder
@@ -185,7 +186,7 @@ def test_a_header_nested_200000_deep_is_a_checkpoint_error(tmp_path):
 
 def test_files_ranks_are_bounded_by_the_mesh_before_anything_is_expanded(folders):
     _, good, _, _ = folders
-    spans = _parse_ranks("0-99999999999")
+    spans = parse_ranks("0-99999999999")
     assert list(spans) == [(0, 99999999999)]  # kept as typed: nothing expanded
     # in a process with 4 GiB of address space: expanding the span first would fail there, not eat 20 GB
     code = textwrap.dedent(f"""

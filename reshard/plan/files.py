@@ -46,6 +46,14 @@ def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, Ta
     return out
 
 
+def coordinate_key(plan: ReshardPlan, coord: int) -> tuple[Box, ...]:
+    """The box of every kind on `coord`: two coordinates with equal keys store equal chunks (`coordinate_chunks`),
+    as every empty coordinate of a large mesh does. O(kinds)."""
+    kinds, _ = _kinds_of(plan)
+    box = local_box.__wrapped__  # uncached: kinds x coordinates entries would only evict one another
+    return tuple(box(shape, placement, plan.mesh, coord) for shape, placement, _ in kinds)
+
+
 _last_kinds: list = [None, None]  # [plan, its kinds]: the writers ask for one plan's coordinates in turn
 
 

@@ -19,21 +19,28 @@ from pathlib import Path
 
 from ..manifest import MANIFEST_NAME, dcp_metadata, dump_manifest, extra_file_name, manifest_document, shard_file_name
 from ..plan.dtypes import DTYPE_BITS
-from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_sizes, split_parts
+from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_key, coordinate_sizes, split_parts
 from ..plan.placement import ReshardPlan
 from ..read.checkpoint import CheckpointIndex
 from ..runs.engine import Engine
-from .files import write_safetensors
+from .files import safetensors_header, write_safetensors
 from .output import headers_digest, write_output
 from .staged import StagedOutput, fsync_path, removes_made_parents
 
 
+# [items, (specs, header, boxes)]: the last rank file's items and what they give; coordinates whose boxes are equal
+# share one items list (`write_coordinates`), so a run of them (every empty coordinate of a large mesh) builds it once
+_last_file: list = [None, None]
+
+
 def write_rank_file(path: Path, items: list, engine: Engine) -> dict:
     """Write one rank file of `(ChunkSpec, tensor, box)` items; its manifest entry (without `coord`)."""
-    specs = [spec for spec, _, _ in items]
-    metadata = dcp_metadata({s.name: list(s.offsets) for s in specs})
-    crc = write_safetensors(path, specs, [(spec.nbytes, tensor, box) for spec, tensor, box in items], metadata,
-                            engine)
+    if _last_file[0] is not items:
+        specs = [spec for spec, _, _ in items]
+        header = safetensors_header(specs, dcp_metadata({s.name: list(s.offsets) for s in specs}))
+        _last_file[:] = [items, (specs, header, [(spec.nbytes, tensor, box) for spec, tensor, box in items])]
+    specs, header, boxes = _last_file[1]
+    crc = write_safetensors(path, specs, boxes, None, engine, header=header)
     # The chunks are a run of the plan's order; their offsets and shapes follow from the placements (the manifest
     # stays linear in tensors plus files, however many coordinates).
     return {"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc:08x}",
@@ -58,9 +65,13 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
     """
     engine = Engine(index, progress)
     files, paths = [], []
+    last: tuple = (None, None)  # (boxes of every kind, the parts) of the coordinate before: equal boxes, equal parts
     try:
         for coord in coords:
-            parts = split_parts(coordinate_chunks(plan, coord), max_shard_size)  # one coordinate's list at a time
+            key = coordinate_key(plan, coord)
+            if key != last[0]:  # one coordinate's list at a time
+                last = (key, split_parts(coordinate_chunks(plan, coord), max_shard_size))
+            parts = last[1]
             for part, items in enumerate(parts):
                 path = tmp / shard_file_name(coord, part, len(parts))
                 files.append({"coord": coord, **write_rank_file(path, items, engine)})
