@@ -129,19 +129,19 @@ def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, coor
 def coordinate_boxes(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) -> list[Box]:
     """`local_box` of every coordinate, in coordinate order, in O(coordinates) with no cache lookup per coordinate.
 
-    Coordinate `e * blocks + i` holds chunk `e` (of `degree`) of block `i`'s split dim, where the blocks are the
-    tensor's EP blocks on dim 0 (one block, the whole tensor, without EP): each chunk is cut once per `e`.
+    Coordinate `e * blocks + i` holds chunk `e` of block `i`'s split dim, where the blocks are the tensor's EP blocks
+    on dim 0 (one block, the whole tensor, without EP): each chunk is cut once per `e`.
     """
     n = mesh.num_coords
     if placement.kind is Kind.REPLICATED:
         return [tuple((0, s) for s in shape)] * n
-    if 0 in shape:  # nothing to split (rare): the rule as it stands, one coordinate at a time
+    d, blocks, count = placement.shard_dim, *_blocks(shape, placement, mesh)
+    if any(length == 0 for _, length in blocks[0]):  # nothing to split (rare): the rule itself, coordinate by coordinate
         return [local_box(shape, placement, mesh, c) for c in range(n)]
-    d, blocks, degree = placement.shard_dim, *_blocks(shape, placement, mesh)
     rows = blocks[0][d][1]  # every block's split dim has the same length
     out = []
-    for e in range(degree):
-        offset, length = chunk(rows, degree, e)
+    for e in range(n // len(blocks)):
+        offset, length = chunk(rows, count, e)
         for block in blocks:
             piece = (block[d][0] + offset, length) if length else (shape[d], 0)  # torch's offset of an empty shard
             out.append(block[:d] + (piece,) + block[d + 1:])
@@ -149,12 +149,13 @@ def coordinate_boxes(shape: tuple[int, ...], placement: Placement, mesh: MeshSpe
 
 
 def _blocks(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) -> tuple[list[Box], int]:
-    """The EP blocks of a sharded tensor (each a box; the whole tensor without EP) and the degree each is split by."""
+    """The blocks coordinate `c` takes its chunk from, block `c % len(blocks)` (the EP index: one block, the whole
+    tensor, without EP), and how many chunks each block's split dim is cut into (as `local_box` does)."""
     whole = tuple((0, s) for s in shape)
     if placement.kind is Kind.DENSE or placement.ep == 1:
         return [whole], mesh.fsdp
     per_group = shape[0] // placement.ep
-    return [((i * per_group, per_group),) + whole[1:] for i in range(placement.ep)], placement.degree
+    return [((i * per_group, per_group),) + whole[1:] for i in range(mesh.ep)], placement.degree
 
 
 def split_lengths(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) -> list[int]:
@@ -162,8 +163,9 @@ def split_lengths(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) 
     coordinate's length depends only on its chunk index `e` (see `coordinate_boxes`)."""
     if placement.kind is Kind.REPLICATED:
         return [shape[0] if shape else 1] * mesh.num_coords
-    d, blocks, degree = placement.shard_dim, *_blocks(shape, placement, mesh)
-    lengths = chunk_lengths(blocks[0][d][1], degree)
+    d, blocks, count = placement.shard_dim, *_blocks(shape, placement, mesh)
+    lengths = chunk_lengths(blocks[0][d][1], count)[:mesh.num_coords // len(blocks)]
+    lengths += [0] * (mesh.num_coords // len(blocks) - len(lengths))  # (a count below the chunks asked for)
     return lengths if len(blocks) == 1 else [length for length in lengths for _ in blocks]
 
 
