@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from .. import __version__
 from ..plan.layout import TargetTensor
-from ..plan.mesh import MeshSpec
 from ..plan.placement import Placement, ReshardPlan
 from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
 from .source_layout import source_layout_record
@@ -70,8 +69,8 @@ def _tensor(tp, index) -> dict:
 
 def _coords(by_coord: dict[int, list[dict]]) -> list[dict]:
     # no `ranks`: they follow from the mesh (`MeshSpec.coord_ranks`), so the document does not grow with dp_replicate
-    return [{"coord": c, "files": [f["name"] for f in entries], "empty_markers": sum(f["empty_markers"] for f in entries)}
-            for c, entries in by_coord.items()]
+    return [{"coord": c, "files": [f["name"] for f in entries],
+             "empty_markers": sum(f["empty_markers"] for f in entries)} for c, entries in by_coord.items()]
 
 
 def _placement_dict(p: Placement) -> dict:

@@ -136,7 +136,7 @@ def coordinate_boxes(shape: tuple[int, ...], placement: Placement, mesh: MeshSpe
     if placement.kind is Kind.REPLICATED:
         return [tuple((0, s) for s in shape)] * n
     d, blocks, count = placement.shard_dim, *_blocks(shape, placement, mesh)
-    if any(length == 0 for _, length in blocks[0]):  # nothing to split (rare): the rule itself, coordinate by coordinate
+    if any(length == 0 for _, length in blocks[0]):  # nothing to split (rare): the rule, coordinate by coordinate
         return [local_box(shape, placement, mesh, c) for c in range(n)]
     rows = blocks[0][d][1]  # every block's split dim has the same length
     out = []
