@@ -333,10 +333,10 @@ def test_a_config_passed_by_the_caller_needs_no_config_json(written, tmp_path):
 
     out, src, reference = written
     folder = copy_folder(out, tmp_path / "folder")
-    (folder / "config.json").unlink()
-    doc = load_doc(folder)
-    doc["copied"] = [n for n in doc["copied"] if n != "config.json"]
-    save_doc(folder, doc)
+    (folder / "config.json").unlink()  # still listed as copied: verify says so, a load with its own config does not
+    (folder / "generation_config.json").unlink()  # nor a missing file the model does not need
+    code, text = cli_run("verify", folder)
+    assert code == 1 and "config.json: missing" in text and "generation_config.json: missing" in text, text
     model = reshard.from_pretrained(folder, config=AutoConfig.from_pretrained(src))
     assert_exact(model.state_dict(), reference)
 

@@ -50,8 +50,9 @@ def _check_own_files(manifest: Manifest, rank: int) -> str | None:
 def check_copied(manifest: Manifest, *, need_config: bool = True) -> None:
     """Refuse a folder whose copied non-weight files cannot load (`copied_problems`: a special file such as a link
     to /dev/zero or a FIFO, a missing or unparsable config.json) with a `LoadError` saying what to do, before
-    transformers opens one (a raw `ValueError`, or an open that blocks). `need_config`: no config was passed."""
-    if problems := copied_problems(manifest.path, manifest.copied, config=need_config):
+    transformers opens one (a raw `ValueError`, or an open that blocks). `need_config`: no config was passed. A
+    missing tokenizer file does not stop a load (verify reports it)."""
+    if problems := copied_problems(manifest.path, manifest.copied, config=need_config, all_present=False):
         raise LoadError(f"{manifest.path} cannot be loaded: {'; '.join(problems)}")
 
 

@@ -92,21 +92,24 @@ CONFIG_NAME = "config.json"
 MAX_CONFIG_BYTES = 64 << 20  # far above any model's config.json; a longer one is not one
 
 
-def copied_problems(folder: str | Path, copied, *, config: bool = True) -> list[str]:
-    """What keeps the folder's copied non-weight files (`copied`: config, generation config, tokenizer files) from
-    loading: each must be there and a regular file (`open_member`: a link to one is fine; a FIFO, a device or a
-    folder is refused without blocking), and `config.json`, which a load builds the model from, must parse as a JSON
-    object (`config` False: the caller brings its own config). Each problem says what to do."""
+def copied_problems(folder: str | Path, copied, *, config: bool = True, all_present: bool = True) -> list[str]:
+    """What is wrong with the folder's copied non-weight files (`copied`: config, generation config, tokenizer
+    files): each must be a regular file (`open_member`: a link to one is fine; a FIFO, a device or a folder is
+    refused without blocking) and, with `all_present` (verify), there; `config.json`, which a load builds the model
+    from, must be there and parse as a JSON object (`config` False: the caller brings its own config). Each problem
+    says what to do."""
     fix = "copy it from the source checkpoint, or write the folder again with `reshard write`"
     problems = []
     for name in copied:
         if not os.path.lexists(Path(folder) / name):
-            problems.append(f"{name}: missing, though reshard.json lists it as copied from the source; {fix}")
+            if all_present or (config and name == CONFIG_NAME):
+                problems.append(f"{name}: missing, though reshard.json lists it as copied from the source; {fix}")
         elif problem := member_problem(folder, name):
             problems.append(problem)
     if config and CONFIG_NAME not in copied and not os.path.lexists(Path(folder) / CONFIG_NAME):
         problems.append(f"{CONFIG_NAME}: missing; a load builds the model from it: {fix}")
-    elif config and not any(p.startswith(f"{CONFIG_NAME}:") for p in problems):
+    elif config and os.path.lexists(Path(folder) / CONFIG_NAME) and not any(
+            p.startswith(f"{CONFIG_NAME}:") for p in problems):
         problems += _config_problems(folder, fix)
     return problems
 
