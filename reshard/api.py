@@ -96,6 +96,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     Example:
         >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
     """
+    from .plan.files import check_max_shard_size
     from .write.runner import run_job
     from .write.shards import WriteJob
     from .write.staged import refuse_url_output
@@ -103,6 +104,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     refuse_url_output(out, "OUT")
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
+    check_max_shard_size(max_shard_size)
     kinds: list[Kind] = []
 
     def read_job() -> WriteJob:
@@ -235,11 +237,13 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     Example:
         >>> reshard.merge_checkpoint("ckpt-step1000", "published")  # doctest: +SKIP
     """
+    from .plan.files import check_max_shard_size
     from .write.merge import DEFAULT_MAX_SHARD_SIZE, merge_job
     from .write.runner import run_job
     from .write.staged import refuse_url_output
 
     refuse_url_output(dest, "DEST")
+    check_max_shard_size(max_shard_size)
 
     def read_job():
         extras = None if extras_from is None else open_source(extras_from)

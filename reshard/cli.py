@@ -17,7 +17,7 @@ import sys
 import click
 
 from .errors import ReshardError, UsageError
-from .plan.ranks import RankSpans
+from .params import Count, RanksType, SizeType
 
 
 def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
@@ -58,61 +58,29 @@ class ReshardGroup(click.Group):
             raise click.ClickException(str(e)) from e
         except KeyboardInterrupt as e:
             signum = _interrupting_signal(e)
-            click.echo(f"interrupted ({signum.name}); nothing partial was left behind.", err=True)
+            click.echo(f"interrupted ({signum.name}); {_left_behind()}", err=True)
             sys.exit(128 + signum)
 
 
-class ParsedType(click.ParamType):
-    """A flag whose text `parse` turns into a value, a `UsageError` (or `click.BadParameter`) becoming click's own
-    refusal; a value that is already `parsed` (a default) passes as it is."""
-
-    parse = staticmethod(str)
-    parsed: type = str
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, self.parsed):
-            return value
-        try:
-            return self.parse(value)
-        except (click.BadParameter, UsageError) as e:
-            self.fail(getattr(e, "message", None) or str(e), param, ctx)
-
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """`5GB`, `500MiB`, `1000000` as bytes; at least one byte."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", text)  # one number, ASCII digits
-    if not m or m.group(2).upper() not in _UNITS:
-        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MiB or 1000000.")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if size < 1:
-        raise click.BadParameter(f"{text!r} is {size} bytes: a file size is at least 1 byte (e.g. 5GB, 500MiB).")
-    return size
-
-
-class SizeType(ParsedType):
-    name, parse, parsed = "size", staticmethod(parse_size), int
-
-
-class RanksType(ParsedType):
-    name, parse, parsed = "ranks", staticmethod(RankSpans.parse), RankSpans
+def _left_behind() -> str:
+    """What an interrupted command left on disk: a write or merge may leave part of its temporary folder, when its
+    removal ran out of time (`reshard.write.staged.remove_within`); any other command writes nothing."""
+    staged = sys.modules.get("reshard.write.staged")  # not imported: no write ran, so nothing was left
+    return staged.left_behind_text() if staged is not None else "nothing partial was left behind."
 
 
 def mesh_options(func):
     """The mesh flags shared by every command, mirroring transformers' DistributedConfig (tensor and pipeline
     parallelism stay hidden until reshard writes layouts for them)."""
 
-    @click.option("--fsdp", type=click.IntRange(min=1), required=True,
+    @click.option("--fsdp", type=Count(min=1), required=True,
                   help="fsdp_size: ranks sharding every parameter (with EP, experts use efsdp = fsdp/ep).")
-    @click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+    @click.option("--ep", type=Count(min=1), default=1, show_default=True,
                   help="ep_size: expert-parallel ranks; must divide fsdp and the number of experts.")
-    @click.option("--dp-replicate", type=click.IntRange(min=1), default=1, show_default=True,
+    @click.option("--dp-replicate", type=Count(min=1), default=1, show_default=True,
                   help="dp_replicate_size: HSDP replicas; replicas share the same files.")
-    @click.option("--tp", type=click.IntRange(min=1), default=1, hidden=True)
-    @click.option("--pp", type=click.IntRange(min=1), default=1, hidden=True)
+    @click.option("--tp", type=Count(min=1), default=1, hidden=True)
+    @click.option("--pp", type=Count(min=1), default=1, hidden=True)
     @functools.wraps(func)
     def wrapper(*args, fsdp, ep, dp_replicate, tp, pp, **kwargs):
         from .plan.mesh import MeshSpec
@@ -205,7 +173,7 @@ def main() -> None:
 @click.option("--max-shard-size", type=SizeType(), default=None,
               help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=Count(min=1), default=None,
               help="Processes writing on this machine (same output). Default: up to 4, by cores and size; every "
                    "core with --dequantize.")
 @click.option("--distributed/--no-distributed", default=None,
@@ -319,7 +287,7 @@ def files_command(out, ranks, as_json):
 @click.option("--extras-from", "extras_from", metavar="FOLDER", default=None,
               help="For a saved SRC: the folder training started from, whose unloaded tensors (MTP layers) DEST "
                    "gets back.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=Count(min=1), default=None,
               help="Processes writing DEST's files on this machine (same output). Default: up to 4, by cores and "
                    "size.")
 @click.option("--distributed/--no-distributed", default=None,
@@ -354,7 +322,7 @@ def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, wor
 
 
 @cli.command(short_help="Run the whole job on a tiny generated model (nothing downloaded).")
-@click.option("--ranks", type=click.IntRange(min=2, max=16), default=4, show_default=True,
+@click.option("--ranks", type=Count(min=2, max=16), default=4, show_default=True,
               help="CPU processes for the multi-rank load (the mesh is --fsdp RANKS).")
 @click.option("--keep", type=click.Path(file_okay=False), metavar="DIR", default=None,
               help="Keep the generated checkpoint, the output and the rank reports in this folder.")

@@ -13,9 +13,10 @@ import zlib
 from dataclasses import dataclass
 
 from .errors import ReshardError, UsageError, VerifyError
-from .manifest import coverage_problems, header_problems, read_manifest, tied_from_record
+from .manifest import copied_problems, coverage_problems, header_problems, read_manifest, tied_from_record
 from .plan.dtypes import DTYPE_BITS
-from .read.checkpoint import INDEX_NAME, header_of, read_config
+from .plan.mesh import ranks_text
+from .read.checkpoint import INDEX_NAME, header_of
 from .read.source import Kind, locate, open_source
 from .read.store import READ_BLOCK
 from .results import VerifyResult
@@ -119,26 +120,6 @@ class _Listed:
             self.problems.append(str(e))
             return None
 
-    def metadata(self, copied) -> None:
-        """Every copied file there and regular, and `config.json` a JSON object: a folder that cannot load fails."""
-        for name in copied:
-            try:
-                self.store.size(name)
-            except FileNotFoundError:
-                self.problems.append(f"{name}: missing (the manifest lists it among the copied files); copy it back "
-                                     "from the source")
-            except ReshardError as e:
-                self.problems.append(str(e))
-        if "config.json" not in copied and not self.store.exists("config.json"):
-            self.problems.append("config.json: missing; the folder cannot be loaded without it. Copy it back from "
-                                 "the source")
-            return
-        try:
-            if not read_config(self.store):
-                self.problems.append("config.json: empty; the folder cannot be loaded. Copy it back from the source")
-        except (ReshardError, OSError) as e:
-            self.problems.append(f"config.json: {e}")
-
 
 def _check(manifest, listed: _Listed, against, revision, dequantized) -> tuple[int, int]:
     """Every check of `verify`, appending to the listed problems; returns (bytes compared, empty markers).
@@ -151,10 +132,10 @@ def _check(manifest, listed: _Listed, against, revision, dequantized) -> tuple[i
     chunks: dict[str, list[tuple[int, tuple, str]]] = {name: [] for name in manifest.tensors}
     headers, markers = {}, 0
     problems += coverage_problems(manifest)
-    listed.metadata(manifest.copied)
+    problems += copied_problems(listed.store, manifest.copied)  # a folder whose config cannot load does not pass
     for entry in manifest.files:
         header = listed.header(entry.name, entry.bytes, entry.crc32,
-                               f"rank(s) {list(manifest.coords[entry.coord].ranks)} read it")
+                               f"{ranks_text(manifest.coords[entry.coord].ranks)} read it")
         if header is None:
             continue
         headers[entry.name] = header

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
@@ -24,6 +23,7 @@ from reshard.errors import MeshError, VerifyError
 from reshard.manifest import dcp_metadata
 from reshard.plan.mesh import MeshSpec
 from reshard.api import verify
+from reshard.read.checkpoint import read_header
 
 from conftest import file_chunks
 
@@ -226,12 +226,33 @@ def rewrite(out: Path, name: str, edit) -> None:
         info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     offsets = {k: list(info[k]["saved_offsets"]) for k in tensors}
+    order = [t.name for t in read_header(path).tensors]  # the manifest's order: data offsets are checked against it
     edit(tensors, offsets)
-    save_file(tensors, path, metadata=dcp_metadata(offsets))
+    save_in_order(path, {k: tensors[k] for k in order if k in tensors}, dcp_metadata(offsets))
     manifest = json.loads(manifest_path.read_text())
     entry = next(e for e in manifest["files"] if e["name"] == name)
     entry.update(bytes=path.stat().st_size, crc32=f"{zlib.crc32(path.read_bytes()):08x}")
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def save_in_order(path: Path, tensors: dict, metadata: dict) -> None:
+    """A safetensors file holding `tensors` back to back in their order, as `reshard write` lays out a rank file
+    (`save_file` orders them its own way)."""
+    import struct
+
+    import torch
+
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+    header, blobs, cursor = {"__metadata__": metadata}, [], 0
+    for name, tensor in tensors.items():
+        blob = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [cursor, cursor + len(blob)]}
+        blobs.append(blob)
+        cursor += len(blob)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
 
 
 def replicated_in(out: Path, coords: set[int]) -> dict[str, str]:

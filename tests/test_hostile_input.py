@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
+from reshard.errors import CheckpointError, OutputError, UsageError
 from reshard.plan.ranks import RankSpans
-from reshard.errors import CheckpointError, OutputError
 from reshard.plan.mesh import MeshSpec
 from reshard.read.source import read_checkpoint
 from reshard.verification import check_folder
@@ -216,6 +216,96 @@ def test_a_bad_max_shard_size_is_a_usage_error(folders, tmp_path, command):
     nothing_left(tmp_path / "out")
 
 
+# ---- meshes: bounded before anything expands, cost linear in coordinates ------------------------------------------
+
+@pytest.mark.parametrize("args, world", [
+    (["plan", "{src}", "--fsdp", "40000000"], "40,000,000 ranks (pp 1 x dp_replicate 1 x fsdp 40000000 x tp 1)"),
+    (["plan", "{src}", "--fsdp", "100000"], "100,000 ranks (pp 1 x dp_replicate 1 x fsdp 100000 x tp 1)"),
+    (["write", "{src}", "{out}", "--fsdp", "2", "--dp-replicate", "40000000", "-q"],
+     "80,000,000 ranks (pp 1 x dp_replicate 40000000 x fsdp 2 x tp 1)"),
+    (["write", "{src}", "{out}", "--fsdp", "2", "--dp-replicate", "32769", "-q"],
+     "65,538 ranks (pp 1 x dp_replicate 32769 x fsdp 2 x tp 1)"),
+])
+def test_a_mesh_over_65536_ranks_is_refused_at_once_with_its_numbers(folders, tmp_path, args, world):
+    """`plan --fsdp 40000000` was killed after 90 s, and the write needed SIGKILL; now a usage error (exit 2) naming
+    the world size, how it is computed and the limit, before anything is sized by the mesh."""
+    src, _, _, _ = folders
+    with hang_guard(60):  # answered in milliseconds
+        result = invoke(*(a.format(src=src, out=tmp_path / "out") for a in args))
+    assert result.exit_code == 2 and "Usage:" in result.output, result.output
+    assert f"a world size of {world} is over the 65,536 ranks reshard supports" in result.output, result.output
+    nothing_left(tmp_path / "out")
+    MeshSpec(fsdp=65536)
+    MeshSpec(fsdp=2, dp_replicate=32768)
+    with pytest.raises(UsageError, match="a world size of 65,537 ranks"):
+        MeshSpec(fsdp=65537)
+
+
+def test_the_manifest_does_not_grow_with_dp_replicate(folders, tmp_path):
+    """Each coordinate listed its ranks, one per replica: `--dp-replicate 1000000` wrote a 33 MB manifest. The ranks
+    are derived from the mesh now (`r * fsdp + c`), and `files` still finds them."""
+    src, _, _, _ = folders
+    sizes = {}
+    for replicas in (1, 1000):
+        out = tmp_path / f"dp{replicas}"
+        result = invoke("write", src, out, "--fsdp", "2", "--dp-replicate", replicas, "-q")
+        assert result.exit_code == 0, result.output
+        sizes[replicas] = (out / "reshard.json").stat().st_size
+    assert sizes[1000] - sizes[1] < 100, sizes  # the mesh and distributed_config fields, nothing per rank
+    result = invoke("files", tmp_path / "dp1000", "--ranks", "1999")  # the last replica's coordinate 1
+    assert result.exit_code == 0 and "shard-00002-model-00001-of-00001.safetensors" in result.output, result.output
+    assert "shard-00001-" not in result.output
+    assert check_folder(tmp_path / "dp1000", against=src)["ok"]
+
+
+def test_a_mesh_of_65536_coordinates_plans_in_readable_lines(folders):
+    """Planning cost is linear in coordinates (`--fsdp 100000` took 82 s when it went over tensors x ranks), and the
+    rank maps of 65,536 coordinates are runs, not 65,536-character lines."""
+    src, _, _, _ = folders
+    with hang_guard(240):  # seconds (docs/performance.md); only a regression to tensors x ranks reaches this
+        result = invoke("plan", src, "--fsdp", "65536", "--ep", "4")
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.output.splitlines())) <= 200, max(result.output.splitlines(), key=len)[:300]
+    assert "1x4 .x65532  empty on 65532 ranks" in result.output and "1x512 .x65024" in result.output
+
+
+@pytest.mark.parametrize("command", [["write", "--fsdp", "2"], ["merge"]])
+@pytest.mark.parametrize("size, said", [("0", "'0' is 0 bytes; a size is 1 byte or more"),
+                                        ("0.4", "'0.4' is 0 bytes; a size is 1 byte or more"),
+                                        ("-5", "'-5' is not a size like 5GB, 500MiB or 1000000 (1 byte or more)"),
+                                        ("٣MB", "'٣MB' is not a size like 5GB")])
+def test_a_max_shard_size_below_one_byte_is_refused_with_the_range(folders, tmp_path, command, size, said):
+    """`--max-shard-size 0` was accepted silently (read as no limit); the API refuses it too."""
+    src, good, _, _ = folders
+    source = src if command[0] == "write" else good
+    result = invoke(command[0], source, tmp_path / "out", *command[1:], "--max-shard-size", size, "-q")
+    assert result.exit_code == 2 and "Usage:" in result.output and said in result.output, result.output
+    nothing_left(tmp_path / "out")
+    call = (lambda: write_checkpoint(src, tmp_path / "out", MeshSpec(fsdp=2), max_shard_size=0, progress=False)) \
+        if command[0] == "write" else (lambda: merge_checkpoint(good, tmp_path / "out", max_shard_size=0))
+    with pytest.raises(UsageError, match="max_shard_size 0: a file size is a whole number of bytes, 1 or more"):
+        call()
+    nothing_left(tmp_path / "out")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["files", "{good}", "--ranks", "٣"], "'٣' is not a rank list like 0-7 or 0,8,16-23 (ranks in ASCII digits 0-9"),
+    (["files", "{good}", "--ranks", "0-²"], "'0-²' is not a rank list"),  # isdigit, then int() raised a ValueError
+    (["plan", "{src}", "--fsdp", "٣"], "'٣' is not a whole number in ASCII digits 0-9 (1 or more)"),
+    (["plan", "{src}", "--fsdp", "2", "--ep", "1_0"], "'1_0' is not a whole number in ASCII digits 0-9 (1 or more)"),
+    (["write", "{src}", "{out}", "--fsdp", "2", "--workers", "٢"], "'٢' is not a whole number in ASCII digits 0-9"),
+    (["demo", "--ranks", "٤"], "'٤' is not a whole number in ASCII digits 0-9 (2 to 16)"),
+])
+def test_numbers_in_other_scripts_are_refused_with_the_accepted_form(folders, tmp_path, args, said):
+    """Python's int() and str.isdigit take any script's digits: `--ranks "٣"` (an Arabic-Indic 3) was accepted
+    silently as rank 3."""
+    src, good, _, _ = folders
+    result = invoke(*(a.format(good=good, src=src, out=tmp_path / "out") for a in args))
+    assert result.exit_code == 2 and "Usage:" in result.output and said in result.output, result.output
+    assert "Traceback" not in result.output
+    nothing_left(tmp_path / "out")
+
+
 @pytest.mark.parametrize("which", ["write", "merge"])
 def test_a_refused_write_removes_the_parent_folders_it_made(folders, tmp_path, monkeypatch, which):
     src, good, _, _ = folders
@@ -244,14 +334,14 @@ INTERRUPTED_WRITE = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    import reshard.write.shards as w
+    import {module} as w
     import reshard.write.staged
     reshard.write.staged.INTERRUPT_CLEANUP_S = {budget!r}
     ready = Path({marker!r})
-    stock_write_file = w.write_rank_file
+    stock = w.{function}
 
-    def many_files(path, items, engine):  # after the first real file, a temporary folder of 20,000 files
-        entry = stock_write_file(path, items, engine)
+    def many_files(path, *args, **kwargs):  # after the first real file, a temporary folder of many files
+        entry = stock(path, *args, **kwargs)
         if not ready.exists():
             for i in range({count}):
                 with open(path.parent / f"filler-{{i:05d}}.safetensors", "wb") as f:
@@ -260,44 +350,75 @@ INTERRUPTED_WRITE = textwrap.dedent("""
             time.sleep(120)  # the test signals long before; teardown kills it otherwise
         return entry
 
-    w.write_rank_file = many_files
+    w.{function} = many_files
     from reshard.cli import main
-    sys.argv = ["reshard", "write", {src!r}, {out!r}, "--fsdp", "2", "-q"]
+    sys.argv = ["reshard", *{argv!r}]
     main()
 """)
+# the command, the function writing one file of it (patched to fill the temporary folder), how many files
+INTERRUPTED = {"write": ("reshard.write.shards", "write_rank_file", MANY_FILES),
+               "merge": ("reshard.write.merge", "write_safetensors", 2_000)}
 
 
-def test_sigterm_during_a_write_of_20000_files_exits_before_deleting_them(tiny, tmp_path):
-    """SIGTERM exits at once (143) instead of spending its time deleting 20,000 files; what is left is renamed stale
-    and removed by the next write, as after SIGKILL. With the removal budget at 0 s the folder must remain: proof
-    that the exit did not wait for the cleanup (the default budget, 1 s, is measured in docs/faults.md)."""
-    src = tiny("qwen3_moe", experts=2)
-    out = tmp_path / "out"
-    marker = tmp_path / "ready"
-    code = INTERRUPTED_WRITE.format(repo=str(REPO), budget=0.0, marker=str(marker), count=MANY_FILES, src=str(src),
-                                    out=str(out))
+def interrupted_run(command: str, source: Path, out: Path, marker: Path, budget: float, count: int | None = None):
+    """Run `command` from `source` into `out` in a subprocess, SIGTERM it once its temporary folder holds `count`
+    more files (default: `INTERRUPTED`'s); (exit code, stderr, seconds from the signal to the exit)."""
+    module, function, default = INTERRUPTED[command]
+    count = default if count is None else count
+    argv = [command, str(source), str(out), *(["--fsdp", "2"] if command == "write" else []), "-q"]
+    code = INTERRUPTED_WRITE.format(repo=str(REPO), module=module, function=function, budget=budget,
+                                    marker=str(marker), count=count, argv=argv)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the writer did not reach its 20,000 files"
+            assert time.monotonic() < deadline, f"the {command} did not reach its {count} files"
             time.sleep(0.1)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-        print(f"SIGTERM with {MANY_FILES} files in the temporary folder: exit {proc.returncode} after "
-              f"{time.monotonic() - start:.2f} s")
+        return proc.returncode, err, time.monotonic() - start
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143 and "interrupted (SIGTERM)" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+def test_sigterm_during_a_write_of_many_files_exits_before_deleting_them_and_says_what_is_left(
+        tiny, folders, tmp_path, command):
+    """SIGTERM exits at once (143) instead of spending its time deleting thousands of files; what is left is renamed
+    stale and removed by the next write, as after SIGKILL, and the last line says so (it said "nothing partial was
+    left behind"). With the removal budget at 0 s the folder must remain: proof that the exit did not wait for the
+    cleanup (the default budget, 1 s, is measured in docs/faults.md)."""
+    src = tiny("qwen3_moe", experts=2) if command == "write" else folders[1]
+    out = tmp_path / "out"
+    marker = tmp_path / "ready"
+    code, err, seconds = interrupted_run(command, src, out, marker, 0.0)
+    print(f"SIGTERM during a {command} with {INTERRUPTED[command][2]} files in the temporary folder: exit {code} "
+          f"after {seconds:.2f} s")
+    assert code == 143 and "interrupted (SIGTERM)" in err and "Traceback" not in err, err
     assert not out.exists()
     stale = [p for p in tmp_path.iterdir() if p.name.startswith(".out.reshard-tmp-stale-")]
-    assert len(stale) == 1 and len(os.listdir(stale[0])) > MANY_FILES // 2, "the exit waited for the cleanup"
+    assert len(stale) == 1 and len(os.listdir(stale[0])) > INTERRUPTED[command][2] // 2, "the exit waited"
+    assert "nothing partial was left behind" not in err, err
+    assert f"the temporary folder {stale[0]} (" in err and "was left behind" in err, err
+    assert f"the next `reshard write` or `reshard merge` into {out} removes it" in err, err
     assert not Path(marker.read_text()).exists()  # the live temporary name is free: renamed stale
-    write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)  # the next write removes what was left
+    if command == "write":
+        write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)  # the next write removes what was left
+        assert check_folder(out, against=src)["ok"]
+    else:
+        merge_checkpoint(src, out, progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
+
+
+def test_sigterm_with_time_to_clean_up_says_nothing_was_left(tiny, tmp_path):
+    src = tiny("qwen3_moe", experts=2)
+    out = tmp_path / "out"
+    code, err, _ = interrupted_run("write", src, out, tmp_path / "ready", 30.0, count=3)
+    assert code == 143 and "interrupted (SIGTERM); nothing partial was left behind." in err, err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
     assert check_folder(out, against=src).ok

@@ -168,6 +168,40 @@ def test_a_flipped_dtype_with_its_crc_restamped_is_refused_by_verify_the_load_an
         open_source(folder)  # merge and a write from this folder (mesh to mesh) read it so
 
 
+def swap_offsets(folder: Path) -> tuple[str, str]:
+    """Tamper as an adversary would: the `data_offsets` of two same-size tensors of VICTIM swapped (every tensor
+    still contiguous, the header the same length), its CRC-32 re-stamped. Returns the two names, in file order."""
+    path = folder / VICTIM
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header, data = split_file(path)
+    by_start = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
+    (a, first), (b, second) = next(
+        (x, y) for x, y in zip(by_start, by_start[1:])
+        if x[0][1] - x[0][0] == y[0][1] - y[0][0] > 0 and data[x[0][0]:x[0][1]] != data[y[0][0]:y[0][1]])
+    header[first]["data_offsets"], header[second]["data_offsets"] = b, a
+    join_file(path, header, data, pad_to=length)
+    restamp(folder, VICTIM)
+    return first, second
+
+
+def test_swapped_data_offsets_with_the_crc_restamped_are_refused_everywhere(written, tmp_path):
+    """Offsets are derived from the manifest's order, not trusted: a swap of two same-size tensors keeps the data
+    contiguous, so only the order catches it. verify, the one-process load, the reader and merge refuse it."""
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "swap", real=(VICTIM,))
+    first, second = swap_offsets(folder)
+    said = f"{VICTIM}: {first}'s data begins at byte"
+    code, text = cli_run("verify", folder)
+    assert code == 1 and said in text and "the manifest's order puts it" in text, text
+    with pytest.raises(LoadError, match=re.escape(said)):
+        reshard.from_pretrained(folder)
+    assert isinstance(error := reader_error(folder, reference), LoadError) and said in str(error)
+    with pytest.raises(ReshardError, match=re.escape(said)):
+        read_dcp_source(folder)
+    code, text = cli_run("merge", folder, tmp_path / "merged")
+    assert code == 1 and said in text and not (tmp_path / "merged").exists(), text
+
+
 @pytest.mark.multirank
 def test_a_flipped_dtype_stops_every_rank_of_a_four_rank_load_with_one_agreed_error(written, tmp_path):
     out, src, _ = written
@@ -250,21 +284,96 @@ def test_a_link_inside_the_folder_to_a_regular_file_elsewhere_loads(written, tmp
     assert_exact(assemble_state_dict(copy_folder(out, tmp_path / "links")), reference)  # every shard is a link
 
 
+# ---- config.json and the other copied files: checked by verify and before every load ------------------------------
+
+SPECIAL = {"dev-zero": lambda p: os.symlink("/dev/zero", p), "fifo": lambda p: os.mkfifo(p),
+           "folder": lambda p: p.mkdir()}
+
+
+@pytest.mark.parametrize("name, kind", [("config.json", "dev-zero"), ("config.json", "fifo"), ("config.json", "folder"),
+                                        ("generation_config.json", "dev-zero"), ("generation_config.json", "fifo")])
+def test_a_copied_file_that_is_not_a_regular_file_fails_verify_and_every_load(written, tmp_path, name, kind):
+    """A link to /dev/zero passed verify and made the load raise a raw ValueError; a FIFO would block the open. (The
+    model class's own from_pretrained under the patch checks too; an Auto class reads config.json before it.)"""
+    from transformers import Qwen3MoeForCausalLM
+
+    out, _, _ = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / name).unlink()
+    SPECIAL[kind](folder / name)
+    said = f"{name}: a {'device' if kind == 'dev-zero' else kind.replace('fifo', 'FIFO')}, not a regular file"
+    with alarm():
+        code, text = cli_run("verify", folder)
+        assert code == 1 and said in text and "FAIL" in text, text
+        with pytest.raises(LoadError, match=said) as caught:
+            reshard.from_pretrained(folder)
+        assert "cannot be loaded" in str(caught.value) and "write the folder again" in str(caught.value)
+        with reshard.patch_transformers(), pytest.raises(LoadError, match=said):
+            Qwen3MoeForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("case", ["deleted", "not-json", "a-list"])
+def test_a_folder_whose_config_cannot_load_fails_verify(written, tmp_path, case):
+    """config.json deleted from OUT: verify said OK on a folder that cannot load."""
+    out, _, _ = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / "config.json").unlink()
+    if case != "deleted":
+        (folder / "config.json").write_text({"not-json": "{\"model_type\": ", "a-list": "[]"}[case])
+    said = {"deleted": "config.json: missing", "not-json": "config.json: not valid JSON",
+            "a-list": "config.json: list, not the JSON object of a model config"}[case]
+    code, text = cli_run("verify", folder)
+    assert code == 1 and said in text and "copy it from the source checkpoint" in text, text
+    with alarm(), pytest.raises(LoadError, match=said):
+        reshard.from_pretrained(folder)
+
+
+def test_a_config_passed_by_the_caller_needs_no_config_json(written, tmp_path):
+    from transformers import AutoConfig
+
+    out, src, reference = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / "config.json").unlink()  # still listed as copied: verify says so, a load with its own config does not
+    (folder / "generation_config.json").unlink()  # nor a missing file the model does not need
+    code, text = cli_run("verify", folder)
+    assert code == 1 and "config.json: missing" in text and "generation_config.json: missing" in text, text
+    model = reshard.from_pretrained(folder, config=AutoConfig.from_pretrained(src))
+    assert_exact(model.state_dict(), reference)
+
+
+@pytest.mark.multirank
+def test_config_json_linked_to_dev_zero_stops_every_rank_of_a_four_rank_load(written, tmp_path):
+    out, src, _ = written
+    folder = copy_folder(out, tmp_path / "folder")
+    (folder / "config.json").unlink()
+    os.symlink("/dev/zero", folder / "config.json")
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    result = run_ranks("load_reshard.py", FSDP, "reshard", folder, src, reports, FSDP, EP, timeout=180, check=False)
+    assert result.returncode != 0
+    for report in rank_reports(reports, FSDP):
+        assert report["error"].startswith("LoadError"), report
+        assert "config.json: a device, not a regular file" in report["error"], report
+
+
 # ---- row 5: an absurd mesh ---------------------------------------------------------------------------------------
 
-def test_an_absurd_mesh_is_refused_before_anything_expands(written, tmp_path):
+@pytest.mark.parametrize("fsdp, said", [
+    (40_000_000, "a world size of 40,000,000 ranks (pp 1 x dp_replicate 1 x fsdp 40000000 x tp 1) is over the 65,536"),
+    (4096, "mesh.fsdp is 4096: the manifest lists 4 coordinates"),
+])
+def test_an_absurd_mesh_is_refused_before_anything_expands(written, tmp_path, fsdp, said):
     out, _, reference = written
     folder = copy_folder(out, tmp_path / "huge")
     doc = load_doc(folder)
-    doc["mesh"]["fsdp"] = 40_000_000
+    doc["mesh"]["fsdp"] = fsdp
     save_doc(folder, doc)
-    said = "mesh.fsdp is 40000000: the manifest lists 4 coordinates"
-    with alarm(10):  # answered in milliseconds: the coordinates listed bound the work
+    with alarm(10):  # answered in milliseconds: the mesh bound and the coordinates listed bound the work
         code, text = cli_run("verify", folder)
         assert code == 1 and said in text, text
-        with pytest.raises(LoadError, match=said):
+        with pytest.raises(LoadError, match=re.escape(said)):
             reshard.from_pretrained(folder)
-        with pytest.raises(LoadError, match=said):
+        with pytest.raises(LoadError, match=re.escape(said)):
             reshard.StorageReader(folder)
 
 
@@ -304,6 +413,41 @@ def test_a_malformed_manifest_is_one_clear_error_everywhere(written, tmp_path, c
         with pytest.raises(ManifestError, match=said.replace("[", r"\[").replace("]", r"\]")) as caught:
             call(folder)
         assert isinstance(caught.value, VerifyError) and isinstance(caught.value, LoadError)
+
+
+@pytest.mark.parametrize("version", [4, 99])
+def test_a_manifest_from_a_newer_reshard_says_to_upgrade(written, tmp_path, version):
+    """It was refused with "restore or rewrite" (damage), which neither helps nor is true: a newer reshard wrote it."""
+    out, _, _ = written
+    folder = copy_folder(out, tmp_path / "newer")
+    save_doc(folder, {**load_doc(folder), "version": version, "tool": "reshard 9.0.0"})
+    said = f"written by a newer reshard (manifest version {version}, by 'reshard 9.0.0'); upgrade reshard"
+    for args in (("verify", folder), ("files", folder, "--ranks", "0"), ("merge", folder, tmp_path / "merged")):
+        code, text = cli_run(*args)
+        assert code == 1 and said in text and "Nothing was changed" in text, (args, text)
+        assert "Restore its reshard.json" not in text and "write the folder again" not in text, text
+    with pytest.raises(LoadError, match=re.escape(said)):
+        reshard.from_pretrained(folder)
+    assert not (tmp_path / "merged").exists()
+
+
+def test_a_version_2_manifest_listing_each_coordinates_ranks_is_still_read_and_checked(written, tmp_path):
+    """Version 2 listed `ranks` per coordinate (one per replica, so it grew with dp_replicate); version 3 derives
+    them from the mesh. An older folder loads, and its list is still checked."""
+    out, _, reference = written
+    folder = copy_folder(out, tmp_path / "v2")
+    doc = load_doc(folder)
+    assert doc["version"] == 3 and all("ranks" not in c for c in doc["coords"])
+    doc["version"] = 2
+    for c in doc["coords"]:
+        c["ranks"] = [c["coord"]]
+    save_doc(folder, doc)
+    assert list(read_manifest(folder).coords[3].ranks) == [3]
+    assert_exact(assemble_state_dict(folder), reference)
+    doc["coords"][1]["ranks"] = [2]
+    save_doc(folder, doc)
+    with pytest.raises(ManifestError, match=re.escape("coords[1].ranks is [2]: the ranks of coordinate 1")):
+        read_manifest(folder)
 
 
 def test_transformers_under_the_patch_validates_the_manifest_too(written, tmp_path):

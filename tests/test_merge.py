@@ -151,7 +151,7 @@ def test_a_missing_rank_file_is_named(written, tmp_path):
     broken = tmp_path / "reshard-folder"
     shutil.copytree(folder, broken)
     (broken / "shard-00002-model-00001-of-00001.safetensors").unlink()
-    _refused(broken, tmp_path / "a", "shard-00002-model-00001-of-00001.safetensors: missing", "rank(s) [1]")
+    _refused(broken, tmp_path / "a", "shard-00002-model-00001-of-00001.safetensors: missing", "the file of rank 1)")
     saved = saved_like(folder, tmp_path / "saved")
     (saved / "shard-00002-model-00001-of-00001.safetensors").unlink()
     _refused(saved, tmp_path / "b", "rank file(s) missing: shard-00002-model-*")

@@ -568,3 +568,26 @@ def test_chunk_runs_arbitrary_boxes(tmp_path_factory, data):
         box.append((start, data.draw(st.integers(1, n - start))))
     box = tuple(box)
     assert torch.equal(_apply_runs(tmp_path, tensor, box, entries), _slice(full, box))
+
+
+@settings(max_examples=300, deadline=None)
+@given(fsdp=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24]), data=st.data())
+def test_every_coordinate_at_once_is_local_box_of_each(fsdp, data):
+    """`coordinate_boxes`, `split_lengths` and `local_sizes` (what plan, coverage, the reader and the writers use to
+    stay linear in coordinates) give exactly `local_box` of each coordinate, for placements that disagree with the
+    mesh too (coverage must find those) and shapes with empty dims."""
+    from reshard.plan.placement import coordinate_boxes, local_sizes, split_lengths
+
+    ep = data.draw(st.sampled_from([e for e in range(1, fsdp + 1) if fsdp % e == 0]), label="ep")
+    mesh = MeshSpec(fsdp=fsdp, ep=ep)
+    shape = tuple(data.draw(st.lists(st.sampled_from([0, 1, 2, 3, 5, 8, 12, 20, 40]), min_size=1, max_size=3),
+                            label="shape"))
+    kind = data.draw(st.sampled_from(list(Kind)), label="kind")
+    dim = data.draw(st.integers(0, len(shape) - 1), label="dim")
+    placement = Placement(kind, None if kind is Kind.REPLICATED else dim, data.draw(st.integers(1, 6), label="degree"),
+                          data.draw(st.integers(1, 5), label="ep"))
+    boxes = [local_box(shape, placement, mesh, c) for c in range(fsdp)]
+    assert coordinate_boxes(shape, placement, mesh) == boxes
+    assert local_sizes(shape, placement, mesh) == [math.prod(n for _, n in box) for box in boxes]
+    if kind is not Kind.REPLICATED:
+        assert split_lengths(shape, placement, mesh) == [box[dim][1] for box in boxes]

@@ -278,7 +278,7 @@ def test_golden_layout(tiny, tmp_path):
                              "tensors", "coords", "files", "copied", "order", "source_layout"}
     assert manifest["copied"] == sorted(p.name for p in out.iterdir() if p.name != "reshard.json"
                                         and not p.name.startswith("shard-"))
-    assert (manifest["format"], manifest["version"], manifest["layout"]) == ("reshard", 2, "stock")
+    assert (manifest["format"], manifest["version"], manifest["layout"]) == ("reshard", 3, "stock")
     assert manifest["tool"].startswith("reshard ")
     assert manifest["mesh"] == {"fsdp": 4, "ep": 1, "dp_replicate": 1, "tp": 1, "pp": 1}
     assert manifest["distributed_config"] == {"fsdp_size": 4}
@@ -286,7 +286,7 @@ def test_golden_layout(tiny, tmp_path):
     assert manifest["source"]["model_type"] == "qwen3_moe"
     assert set(manifest["source"]["header_sha256"]) == {"model.safetensors"}
     assert manifest["coords"] == [
-        {"coord": c, "ranks": [c], "files": [shard_names[c]], "empty_markers": len(QWEN_EMPTY_ON_2_AND_3) if c >= 2
+        {"coord": c, "files": [shard_names[c]], "empty_markers": len(QWEN_EMPTY_ON_2_AND_3) if c >= 2
          else 0} for c in range(4)]
     assert sorted(manifest["order"]) == sorted(manifest["tensors"])
     gate_up = manifest["tensors"]["model.layers.0.mlp.experts.gate_up_proj"]

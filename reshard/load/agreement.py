@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..errors import ReshardError, VerifyError
 from ..launch import gather, raise_if_any
-from ..manifest import MANIFEST_NAME, Manifest, header_problems, read_manifest
+from ..errors import LoadError
+from ..manifest import MANIFEST_NAME, Manifest, copied_problems, header_problems, read_manifest
 from ..read.checkpoint import header_of
 from ..read.source import locate
 
@@ -36,18 +37,10 @@ class Agreed:
 
 def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
     """Check the files this rank reads exist, are regular files and readable, with the size and a header that
-    holds what the manifest says (names, dtypes, shapes, offsets), and the copied metadata files (config.json, ...)
-    are regular files; a problem or None.
+    holds what the manifest says (names, dtypes, shapes, offsets); a problem or None.
 
     Their CRC-32 is checked while they are read (`reshard.load.storage`), not here: that would read them twice.
     """
-    for name in manifest.copied:  # a FIFO or a device there would block transformers' own open, or feed it garbage
-        try:
-            store.size(name)
-        except FileNotFoundError:
-            return f"{name} is missing (the manifest lists it as copied); copy it back from the source"
-        except (ReshardError, OSError) as e:
-            return str(e)
     for name in manifest.files_of_rank(rank):
         entry = manifest.file_entry(name)
         try:
@@ -64,6 +57,15 @@ def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
     return None
 
 
+def check_copied(manifest: Manifest, store, *, need_config: bool = True) -> None:
+    """Refuse a folder whose copied non-weight files cannot load (`copied_problems`: a special file such as a link
+    to /dev/zero or a FIFO, a missing or unparsable config.json) with a `LoadError` saying what to do, before
+    transformers opens one (a raw `ValueError`, or an open that blocks). `need_config`: no config was passed. A
+    missing tokenizer file does not stop a load (verify reports it)."""
+    if problems := copied_problems(store, manifest.copied, config=need_config, all_present=False):
+        raise LoadError(f"{manifest.where} cannot be loaded: {'; '.join(problems)}")
+
+
 def _config_mismatch(distributed_config, manifest: Manifest) -> str | None:
     mesh = manifest.mesh
     given = {k: getattr(distributed_config, k) for k in _MESH_FIELDS}
@@ -75,7 +77,7 @@ def _config_mismatch(distributed_config, manifest: Manifest) -> str | None:
             f"Pass {mesh.distributed_config_repr()} or omit distributed_config.")
 
 
-def _local_checks(folder, distributed_config, rank: int, world: int, *, require_manifest: bool):
+def _local_checks(folder, distributed_config, rank: int, world: int, *, require_manifest: bool, need_config: bool):
     """This rank's view before loading: (has a manifest, the manifest or None, its store, a problem or None).
     Never raises."""
     try:
@@ -95,12 +97,16 @@ def _local_checks(folder, distributed_config, rank: int, world: int, *, require_
                                            f"{mesh.world_size} ranks, or write the checkpoint again for this mesh.")
         if distributed_config is not None and (mismatch := _config_mismatch(distributed_config, manifest)):
             return True, manifest, store, mismatch
+        check_copied(manifest, store, need_config=need_config)
         return True, manifest, store, _check_own_files(manifest, store, rank)
+    except LoadError as e:
+        return True, manifest, store, str(e)
     except Exception as e:  # noqa: BLE001
         return True, manifest, store, f"{type(e).__name__}: {e}"
 
 
-def agree_to_load(folder, distributed_config=None, *, require_manifest: bool = True) -> Agreed | None:
+def agree_to_load(folder, distributed_config=None, *, require_manifest: bool = True,
+                  need_config: bool = True) -> Agreed | None:
     """Make every pre-load check on every rank and agree on the outcome in one collective.
 
     Args:
@@ -109,6 +115,7 @@ def agree_to_load(folder, distributed_config=None, *, require_manifest: bool = T
         require_manifest: a folder without `reshard.json` is an error (`reshard.from_pretrained`); when False
             (transformers' own `from_pretrained` under the patch), a folder without it on every rank is not a
             reshard folder and None is returned.
+        need_config: the folder's config.json must be there (the caller passes no `config`).
 
     Returns:
         The agreed manifest, store and `DistributedConfig` on every rank, or None when no rank has a manifest and
@@ -122,7 +129,7 @@ def agree_to_load(folder, distributed_config=None, *, require_manifest: bool = T
 
     rank, world = dist.get_rank(), dist.get_world_size()
     has, manifest, store, problem = _local_checks(folder, distributed_config, rank, world,
-                                                  require_manifest=require_manifest)
+                                                  require_manifest=require_manifest, need_config=need_config)
     views = gather((has, problem))
     if not require_manifest and not any(h for h, _ in views):
         return None

@@ -16,7 +16,7 @@ from ..errors import LoadError, ReshardError
 from ..launch import group_exists, group_owned, in_distributed_job
 from ..manifest import MANIFEST_NAME, Manifest, coverage_problems, header_problems, read_manifest
 from ..read.checkpoint import header_of, torch_dtype
-from .agreement import agree_to_load
+from .agreement import agree_to_load, check_copied
 from .patch import active_manifest, install, uninstall_unless_user
 
 
@@ -67,7 +67,7 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
             return _load_whole(store, manifest, _model_class(manifest, model_class),
                                check_checksums=check_checksums, **kwargs)
         with group_owned(created=not had_group):
-            agreed = agree_to_load(folder, distributed_config)
+            agreed = agree_to_load(folder, distributed_config, need_config=kwargs.get("config") is None)
             with active_manifest(agreed.manifest, agreed.store, checksums=check_checksums), \
                     local_folder(agreed.store, agreed.manifest) as local:
                 return _model_class(agreed.manifest, model_class).from_pretrained(
@@ -200,6 +200,7 @@ def _assembled(store, manifest: Manifest) -> dict:
 def _load_whole(store, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):
     from transformers import AutoConfig
 
+    check_copied(manifest, store, need_config=kwargs.get("config") is None)  # before transformers opens any
     if kwargs.get("config") is None:
         with local_folder(store, manifest) as local:
             kwargs["config"] = AutoConfig.from_pretrained(local)

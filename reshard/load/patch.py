@@ -346,18 +346,21 @@ def _wrap_from_pretrained(original):
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
         from pathlib import Path
 
-        from ..manifest import MANIFEST_NAME, read_manifest
+        from ..manifest import read_manifest
 
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
         active = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
         direct = all(kwargs.get(k) is None for k in ("state_dict", "gguf_file")) and not kwargs.get("subfolder")
         if active is None and folder is not None and direct and _multi_rank() and _is_candidate(folder):
-            active, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"))
+            active, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"),
+                                                          need_config=kwargs.get("config") is None)
         if active is None and folder is not None and (folder / MANIFEST_NAME).is_file():
             from ..read.source import locate
+            from .agreement import check_copied
 
             store = locate(folder, outside_links=True).store
             active = read_manifest(store), store  # validated, version included (ManifestError, a LoadError)
+            check_copied(active[0], store, need_config=kwargs.get("config") is None)
         if active is None:
             token = _dcp_path.set(False)  # a checkpoint loaded inside a reshard load is an ordinary one
             try:
@@ -394,13 +397,13 @@ def _is_candidate(folder) -> bool:
     return (folder / MANIFEST_NAME).is_file() or has_shard_files(folder)
 
 
-def _agree(folder, distributed_config):
+def _agree(folder, distributed_config, *, need_config: bool):
     """The agreed ((manifest, store), DistributedConfig) for a reshard folder, or (None, the config given)."""
     from ..launch import in_distributed_job
     from .agreement import agree_to_load
 
     in_distributed_job()  # create the process group from the launcher's environment, as transformers would
-    agreed = agree_to_load(folder, distributed_config, require_manifest=False)
+    agreed = agree_to_load(folder, distributed_config, require_manifest=False, need_config=need_config)
     if agreed is None:
         return None, distributed_config
     return (agreed.manifest, agreed.store), agreed.distributed_config

@@ -57,13 +57,12 @@ class _KindChunks:
     def __init__(self, shape: tuple[int, ...], placement, mesh):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        from ..plan.placement import local_box
+        from ..plan.placement import coordinate_boxes
 
         self.holders: dict[tuple[int, ...], list[int]] = {}  # offsets -> coordinates holding that chunk
         self.sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
         sizes = self.sizes
-        for coord in range(mesh.num_coords):
-            box = local_box(shape, placement, mesh, coord)
+        for coord, box in enumerate(coordinate_boxes(shape, placement, mesh)):  # O(coordinates) per kind
             if any(n == 0 for _, n in box) and math.prod(shape):
                 continue  # an empty marker: nothing to read from it
             offsets = tuple(o for o, _ in box)

@@ -16,7 +16,7 @@ from .document import build_manifest
 from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of, placement_of
 from .format import (DCP_SHARDING_INFO_KEY, DCP_VERSION, DCP_VERSION_KEY, EXTRA_FILE, MANIFEST_FORMAT, MANIFEST_NAME,
                      MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, dcp_metadata, extra_file_name, shard_file_name)
-from .members import check_member, file_crc32, member_problem, open_member, plain_name_problem
+from .members import check_member, copied_problems, file_crc32, member_problem, open_member, plain_name_problem
 from .parsed import MAX_MANIFEST_BYTES, Manifest, claimed_names, header_problems, read_manifest
 from .source_layout import SOURCE_LAYOUT_VERSION, OnDisk, source_layout_record, tied_from_record
 from .validate import validate_manifest
@@ -25,8 +25,8 @@ __all__ = [
     "Chunk", "CoordEntry", "DCP_SHARDING_INFO_KEY", "DCP_VERSION", "DCP_VERSION_KEY", "EXTRA_FILE", "ExtrasEntry",
     "FileEntry", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "Manifest", "OnDisk",
     "SAVED_OFFSETS_KEY", "SHARD_FILE", "SOURCE_LAYOUT_VERSION", "SourceRecord", "TensorInfo", "build_manifest",
-    "check_member", "chunk_of", "claimed_names", "coverage_problem", "coverage_problems", "dcp_metadata", "extra_file_name",
-    "file_crc32", "header_problems", "member_problem", "open_member", "placement_of", "plain_name_problem",
-    "read_manifest", "region_text", "shard_file_name", "source_layout_record", "tied_from_record",
-    "validate_manifest",
+    "check_member", "chunk_of", "claimed_names", "copied_problems", "coverage_problem", "coverage_problems",
+    "dcp_metadata", "extra_file_name", "file_crc32", "header_problems", "member_problem", "open_member",
+    "placement_of", "plain_name_problem", "read_manifest", "region_text", "shard_file_name", "source_layout_record",
+    "tied_from_record", "validate_manifest",
 ]

@@ -9,7 +9,7 @@ import itertools
 import math
 
 from ..plan.mesh import MeshSpec
-from ..plan.placement import Kind, local_box
+from ..plan.placement import Kind, coordinate_boxes
 
 
 def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
@@ -52,7 +52,7 @@ def coverage_problems(manifest) -> list[str]:
 
 def _tiling_problem(shape: tuple[int, ...], placement, mesh: MeshSpec) -> str | None:
     """Whether a tensor's chunks over every coordinate tile it exactly once; what is wrong, or None."""
-    boxes = [local_box(shape, placement, mesh, c) for c in range(mesh.num_coords)]
+    boxes = coordinate_boxes(shape, placement, mesh)
     if placement.kind is Kind.REPLICATED:
         return None if set(boxes) == {tuple((0, n) for n in shape)} else "a replicated tensor is not whole everywhere"
     filled = [box for box in boxes if 0 not in (n for _, n in box)]

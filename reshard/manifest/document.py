@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from .. import __version__
 from ..plan.layout import TargetTensor
-from ..plan.mesh import MeshSpec
 from ..plan.placement import Placement, ReshardPlan
 from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
 from .parsed import Manifest
@@ -45,7 +44,7 @@ def _document(plan: ReshardPlan, index, files: list[dict], extras) -> dict:
         "layout": plan.mode.value,
         "tensors": {tp.tensor.name: _tensor(tp, index) for tp in plan.tensors},
         "order": [tp.tensor.name for tp in plan.tensors],  # file entries name runs of it (`first`, `count`)
-        "coords": _coords(mesh, by_coord),
+        "coords": _coords(by_coord),
         "files": [entry for c in by_coord for entry in by_coord[c]],
         "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
         # the source's on-disk keys per tensor, for `reshard merge --layout original` (`recorded_source_layout`)
@@ -74,10 +73,10 @@ def _tensor(tp, index) -> dict:
             "stock_placement": _placement_dict(tp.stock), **_dequantized_from(tensor, index)}
 
 
-def _coords(mesh: MeshSpec, by_coord: dict[int, list[dict]]) -> list[dict]:
-    return [{"coord": c, "ranks": [r * mesh.fsdp + c for r in range(mesh.dp_replicate)],
-             "files": [f["name"] for f in entries], "empty_markers": sum(f["empty_markers"] for f in entries)}
-            for c, entries in by_coord.items()]
+def _coords(by_coord: dict[int, list[dict]]) -> list[dict]:
+    # no `ranks`: they follow from the mesh (`MeshSpec.coord_ranks`), so the document does not grow with dp_replicate
+    return [{"coord": c, "files": [f["name"] for f in entries],
+             "empty_markers": sum(f["empty_markers"] for f in entries)} for c, entries in by_coord.items()]
 
 
 def _placement_dict(p: Placement) -> dict:

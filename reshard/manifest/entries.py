@@ -61,10 +61,11 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class CoordEntry:
-    """One entry of the manifest's `coords`: the ranks that read this coordinate's files, and those files."""
+    """One entry of the manifest's `coords`: the ranks that read this coordinate's files (derived from the mesh,
+    `MeshSpec.coord_ranks`: a range, never a list as long as dp_replicate), and those files."""
 
     coord: int
-    ranks: tuple[int, ...]
+    ranks: range
     files: tuple[str, ...]
     empty_markers: int
 

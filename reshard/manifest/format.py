@@ -23,7 +23,8 @@ from ..errors import ManifestError
 
 MANIFEST_NAME = "reshard.json"
 MANIFEST_FORMAT = "reshard"
-MANIFEST_VERSION = 2  # 2: file entries name a run of `order`; chunks follow from placements
+MANIFEST_VERSION = 3  # 2: file entries name a run of `order`; chunks follow from placements. 3: no `ranks` per coord
+READ_VERSIONS = (2, 3)  # a version 2 manifest lists each coordinate's ranks: read, and checked against the mesh
 SHARD_FILE = "shard-{coord:05d}-model-{part:05d}-of-{parts:05d}.safetensors"
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 DCP_VERSION_KEY = "DCP_VERSION"

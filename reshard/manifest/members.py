@@ -6,12 +6,13 @@ a device swapped in for a shard is refused before a byte is read, and never bloc
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import zlib
 from pathlib import Path
 
-from ..errors import ManifestError
+from ..errors import ManifestError, ReshardError
 from .format import REMEDY, reject
 
 
@@ -85,3 +86,45 @@ def file_crc32(path: str | Path) -> str:
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
     return f"{crc:08x}"
+
+
+CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 64 << 20  # far above any model's config.json; a longer one is not one
+
+
+def copied_problems(store, copied, *, config: bool = True, all_present: bool = True) -> list[str]:
+    """What is wrong with the folder's copied non-weight files (`copied`: config, generation config, tokenizer
+    files), read through the folder's store (`reshard.read.store.Store`): each must be a regular file (a link to one
+    is fine; a FIFO, a device or a folder is refused without blocking) and, with `all_present` (verify), there;
+    `config.json`, which a load builds the model from, must be there and parse as a JSON object (`config` False: the
+    caller brings its own config). Each problem says what to do."""
+    fix = "copy it from the source checkpoint, or write the folder again with `reshard write`"
+    problems, missing = [], set()
+    for name in copied:
+        try:
+            store.size(name)
+        except FileNotFoundError:
+            missing.add(name)
+            if all_present or (config and name == CONFIG_NAME):
+                problems.append(f"{name}: missing, though reshard.json lists it as copied from the source; {fix}")
+        except (ReshardError, OSError) as e:
+            problems.append(str(e))
+    if not config or any(p.startswith(f"{CONFIG_NAME}:") for p in problems):
+        return problems
+    if CONFIG_NAME not in copied and not store.exists(CONFIG_NAME):
+        return [*problems, f"{CONFIG_NAME}: missing; a load builds the model from it: {fix}"]
+    return problems + _config_problems(store, fix)
+
+
+def _config_problems(store, fix: str) -> list[str]:
+    try:
+        document = json.loads(store.read_all(CONFIG_NAME, MAX_CONFIG_BYTES, "model config"))
+    except ReshardError as e:
+        return [f"{CONFIG_NAME}: {e}"]
+    except OSError as e:
+        return [f"{CONFIG_NAME}: cannot be read ({e.strerror or e}); {fix}"]
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested past the parser
+        return [f"{CONFIG_NAME}: not valid JSON ({type(e).__name__}: {str(e)[:120]}); {fix}"]
+    if not isinstance(document, dict):
+        return [f"{CONFIG_NAME}: {type(document).__name__}, not the JSON object of a model config; {fix}"]
+    return []

@@ -191,8 +191,9 @@ def _some(names: list[str]) -> str:
 def header_problems(entry: FileEntry, expected: list[Chunk], header) -> list[str]:
     """Where a file's parsed header (`checkpoint.FileHeader`) differs from the chunks the manifest derives for it
     (`expected`): the same tensors, each with the manifest's dtype, its shape and `DCP_SHARDING_INFO` offsets, the
-    empty markers the entry counts, and data that fills the file from the header's end without a gap. The one
-    check of a header against the manifest: verify, every load path, the reader and a read as a source use it."""
+    empty markers the entry counts, and each tensor's data where the manifest's order puts it (`_placement_problems`).
+    The one check of a header against the manifest: verify, every load path, the reader and a read as a source use
+    it."""
     name = entry.name
     try:
         saved = json.loads(header.metadata.get(DCP_SHARDING_INFO_KEY) or "{}")
@@ -218,13 +219,30 @@ def header_problems(entry: FileEntry, expected: list[Chunk], header) -> list[str
         if list(tensor.shape) != list(chunk.shape) or not isinstance(offsets, list) or tuple(offsets) != chunk.offsets:
             problems.append(f"{name}: {chunk.name} shape/offsets {list(tensor.shape)}/{show(offsets)} differ from "
                             f"the manifest's {list(chunk.shape)}/{list(chunk.offsets)}")
+    return problems + _placement_problems(name, expected, stored, header, ends_checked=not problems)
+
+
+def _placement_problems(name: str, expected: list[Chunk], stored: dict, header, *, ends_checked: bool) -> list[str]:
+    """Where the data offsets deviate from the layout the manifest implies: the writer puts a file's tensors back to
+    back in the manifest's order from the header's end, so each offset is derived, never trusted. Checked in that
+    order, not in data-offset order: two same-size tensors whose offsets were swapped are contiguous either way, and
+    would load swapped. `ends_checked`: whether data ending before the file does is a problem too (not worth
+    saying when the header is wrong already)."""
     cursor = header.header_bytes
-    for tensor in header.tensors:  # sorted by data offset: each begins where the previous ended
+    for chunk in expected:
+        tensor = stored.get(chunk.name)
+        if tensor is None:
+            return []  # a missing or extra tensor is reported above
         if tensor.data_start != cursor:
-            problems.append(f"{name}: {tensor.name}'s data begins at byte {tensor.data_start}, not {cursor}, where "
-                            "the previous one ends")
-            break
+            return [f"{name}: {chunk.name}'s data begins at byte {tensor.data_start}, but the manifest's order puts "
+                    f"it at byte {cursor}, right after {_before(expected, chunk)}: the header's data_offsets were "
+                    "altered"]
         cursor += tensor.nbytes
-    if header.size is not None and cursor != header.size and not problems:
-        problems.append(f"{name}: the header's tensors end at byte {cursor}, the file has {header.size}")
-    return problems
+    if ends_checked and header.size is not None and cursor != header.size:
+        return [f"{name}: the header's tensors end at byte {cursor}, the file has {header.size}"]
+    return []
+
+
+def _before(expected: list[Chunk], chunk: Chunk) -> str:
+    at = expected.index(chunk)
+    return f"{expected[at - 1].name}'s data" if at else "the header"

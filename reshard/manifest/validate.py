@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from types import MappingProxyType
 
+from .. import __version__
 from ..errors import ManifestError, MeshError
 from ..plan.dtypes import DTYPE_BITS
 from ..plan.layout import Role
 from ..plan.mesh import MeshSpec
 from ..plan.placement import Kind, Placement
 from .entries import CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo
-from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, REMEDY, reject, show
+from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, READ_VERSIONS, REMEDY, reject, show
 from .members import plain_name_problem
 
 
@@ -170,16 +171,17 @@ def _coords(data: dict, mesh: MeshSpec, files: tuple[FileEntry, ...]) -> tuple[C
         if not isinstance(entry, dict):
             reject(where, entry, "a coordinate entry must be an object")
         _get(entry, "coord", where, lambda v: v == c, f"its position in the list ({c})")
-        ranks = _get(entry, "ranks", where, _list, "the list of ranks reading this coordinate")
-        if len(ranks) != mesh.dp_replicate or ranks != [r * mesh.fsdp + c for r in range(mesh.dp_replicate)]:
-            reject(f"{where}.ranks", ranks, f"the ranks of coordinate {c} on a mesh of dp_replicate "
-                                            f"{mesh.dp_replicate} x fsdp {mesh.fsdp}")
+        ranks = mesh.coord_ranks(c)
+        listed = _get(entry, "ranks", where, _list, "the list of ranks reading this coordinate", optional=True)
+        if listed is not None and (len(listed) != len(ranks) or listed != list(ranks)):  # version 2 lists them
+            reject(f"{where}.ranks", listed, f"the ranks of coordinate {c} on a mesh of dp_replicate "
+                                             f"{mesh.dp_replicate} x fsdp {mesh.fsdp}")
         names = _get(entry, "files", where, _list, "the list of this coordinate's file names")
         if sorted(map(str, names)) != sorted(own[c]) or not all(isinstance(n, str) for n in names):
             reject(f"{where}.files", names, f"exactly the files whose entries name coordinate {c} "
                                             f"({sorted(own[c])[:3]}{' ...' if len(own[c]) > 3 else ''})")
         markers = _get(entry, "empty_markers", where, _natural, "a count >= 0", optional=True, default=0)
-        coords.append(CoordEntry(c, tuple(ranks), tuple(names), markers))
+        coords.append(CoordEntry(c, ranks, tuple(names), markers))
     return tuple(coords)
 
 
@@ -269,10 +271,17 @@ def validate_manifest(data) -> dict:
         raise ManifestError([f"{MANIFEST_NAME}: written by an earlier reshard (manifest version 1, which lists every "
                              f"chunk of every file); this reshard reads version {MANIFEST_VERSION}. Write the folder "
                              "again."])
-    if data.get("format") != MANIFEST_FORMAT or data.get("version") != MANIFEST_VERSION:
+    version = data.get("version")
+    if data.get("format") == MANIFEST_FORMAT and _is_int(version) and version > MANIFEST_VERSION:
+        # not damage: restoring or rewriting would not help, a reshard that reads it would
+        tool = f", by {show(data['tool'])}" if isinstance(data.get("tool"), str) else ""
+        raise ManifestError([f"{MANIFEST_NAME}: written by a newer reshard (manifest version {version}{tool}); "
+                             f"upgrade reshard to read it: this one, {__version__}, reads manifest versions "
+                             f"{READ_VERSIONS[0]} to {READ_VERSIONS[-1]}. Nothing was changed."])
+    if data.get("format") != MANIFEST_FORMAT or version not in READ_VERSIONS:
         raise ManifestError([f"{MANIFEST_NAME}: format {show(data.get('format'))} version "
-                             f"{show(data.get('version'))}; this reshard reads {MANIFEST_FORMAT!r} version "
-                             f"{MANIFEST_VERSION}. {REMEDY}"])
+                             f"{show(version)}; this reshard reads {MANIFEST_FORMAT!r} versions "
+                             f"{READ_VERSIONS[0]} to {READ_VERSIONS[-1]}. {REMEDY}"])
     mesh = _mesh(data)
     tensors, order = _tensors(data)
     files = _files(data, mesh, order)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ..errors import UsageError
 from .dtypes import DTYPE_BITS
 from .layout import TargetTensor
-from .placement import Box, ReshardPlan, local_box
+from .placement import Box, ReshardPlan, local_box, local_sizes
 
 
 class ChunkSpec(NamedTuple):
@@ -45,6 +46,14 @@ def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, Ta
     return out
 
 
+def coordinate_key(plan: ReshardPlan, coord: int) -> tuple[Box, ...]:
+    """The box of every kind on `coord`: two coordinates with equal keys store equal chunks (`coordinate_chunks`),
+    as every empty coordinate of a large mesh does. O(kinds)."""
+    kinds, _ = _kinds_of(plan)
+    box = local_box.__wrapped__  # uncached: kinds x coordinates entries would only evict one another
+    return tuple(box(shape, placement, plan.mesh, coord) for shape, placement, _ in kinds)
+
+
 _last_kinds: list = [None, None]  # [plan, its kinds]: the writers ask for one plan's coordinates in turn
 
 
@@ -56,6 +65,17 @@ def _kinds_of(plan: ReshardPlan) -> tuple[list[tuple], list[tuple[TargetTensor, 
                    for tp in plan.tensors]
         _last_kinds[:] = [plan, (list(kinds), tensors)]
     return _last_kinds[1]
+
+
+def check_max_shard_size(value) -> None:
+    """Refuse a file size that would split nothing sensibly: 0 (read as "no limit") or below (a file per tensor).
+
+    Raises:
+        UsageError: `value` is neither None nor a whole number of bytes, 1 or more.
+    """
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UsageError(f"max_shard_size {value!r}: a file size is a whole number of bytes, 1 or more (or None for "
+                         "no limit). Nothing was changed.")
 
 
 def split_parts(items: list, max_bytes: int | None, *, nbytes=lambda item: item[0].nbytes) -> list[list]:
@@ -81,6 +101,8 @@ def coordinate_sizes(plan: ReshardPlan) -> list[int]:
     members = [0] * len(kinds)
     for _, kind in tensors:
         members[kind] += 1
-    return [sum(count * math.prod(n for _, n in local_box(shape, placement, plan.mesh, coord)) * DTYPE_BITS[dtype] // 8
-                for (shape, placement, dtype), count in zip(kinds, members))
-            for coord in range(plan.mesh.num_coords)]
+    sizes = [0] * plan.mesh.num_coords
+    for (shape, placement, dtype), count in zip(kinds, members):
+        scale = count * DTYPE_BITS[dtype] // 8  # byte-sized dtypes only (sub-byte ones are refused when read)
+        sizes = [total + scale * n for total, n in zip(sizes, local_sizes(shape, placement, plan.mesh))]
+    return sizes

@@ -18,6 +18,10 @@ from enum import Enum
 
 from ..errors import MeshError
 
+# The largest job reshard plans, writes and loads for. Every step is linear in fsdp coordinates (files), and the
+# manifest does not list ranks; the bound refuses a mistyped size before anything is sized by it.
+MAX_WORLD_SIZE = 65_536
+
 
 class Axis(str, Enum):
     """Mesh axis names, as transformers names its device-mesh dims."""
@@ -42,7 +46,8 @@ class MeshSpec:
         pp: `pp_size`; only 1 is supported by reshard's layouts so far.
 
     Raises:
-        MeshError: a size is below 1, the sizes do not fit together, or tp/pp > 1.
+        MeshError: a size is below 1, the world size is over `MAX_WORLD_SIZE`, the sizes do not fit together, or
+            tp/pp > 1.
 
     Example:
         >>> MeshSpec(fsdp=64, ep=8).efsdp
@@ -60,6 +65,12 @@ class MeshSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise MeshError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise MeshError(
+                f"a world size of {self.world_size:,} ranks (pp {self.pp} x dp_replicate {self.dp_replicate} x fsdp "
+                f"{self.fsdp} x tp {self.tp}) is over the {MAX_WORLD_SIZE:,} ranks reshard supports; pick mesh sizes "
+                f"whose product is at most {MAX_WORLD_SIZE:,}. Nothing was changed."
+            )
         if self.tp > 1 or self.pp > 1:
             raise MeshError(
                 f"tp={self.tp}, pp={self.pp}: reshard writes layouts for FSDP and expert parallelism only; "
@@ -88,6 +99,11 @@ class MeshSpec:
     def num_coords(self) -> int:
         """How many coordinates (file groups) the mesh has: ranks of different replicas share a coordinate's files."""
         return self.fsdp
+
+    def coord_ranks(self, coord: int) -> range:
+        """The global ranks that read coordinate `coord`'s files, one per replica (`r * fsdp + coord`): derived, never
+        listed, so nothing grows with dp_replicate."""
+        return range(coord, self.world_size, self.fsdp)
 
     def coord_of(self, rank: int) -> int:
         """The coordinate of a global rank (its fsdp index); ranks of different replicas may share one."""
@@ -122,3 +138,13 @@ class MeshSpec:
 
     def to_dict(self) -> dict[str, int]:
         return {"fsdp": self.fsdp, "ep": self.ep, "dp_replicate": self.dp_replicate, "tp": self.tp, "pp": self.pp}
+
+
+def ranks_text(ranks: range) -> str:
+    """`rank 3`, `ranks 3, 7`, `ranks 3, 7, ..., 131075 (32768 ranks, 4 apart)`: a coordinate's ranks without listing
+    them all."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) <= 4:
+        return "ranks " + ", ".join(map(str, ranks))
+    return f"ranks {ranks[0]}, {ranks[1]}, ..., {ranks[-1]} ({len(ranks)} ranks, {ranks.step} apart)"

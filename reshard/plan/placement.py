@@ -17,6 +17,7 @@ d >= 1 that divides evenly by the shard degree, when the expert dim does not: ev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -87,6 +88,16 @@ def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(per, size - start)
 
 
+def chunk_lengths(size: int, parts: int) -> list[int]:
+    """`[chunk(size, parts, i)[1] for i in range(parts)]`, built from its three runs (full, the rest, empty)."""
+    per = -(-size // parts)
+    if per == 0:
+        return [0] * parts
+    full, rest = divmod(size, per)
+    lengths = [per] * full + ([rest] if rest else [])
+    return lengths + [0] * (parts - len(lengths))
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, coord: int) -> Box:
     """The global region one fsdp coordinate holds of a tensor (see the module docstring for the rules).
@@ -115,6 +126,59 @@ def local_box(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec, coor
     return tuple(box)
 
 
+def coordinate_boxes(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) -> list[Box]:
+    """`local_box` of every coordinate, in coordinate order, in O(coordinates) with no cache lookup per coordinate.
+
+    Coordinate `e * blocks + i` holds chunk `e` of block `i`'s split dim, where the blocks are the tensor's EP blocks
+    on dim 0 (one block, the whole tensor, without EP): each chunk is cut once per `e`.
+    """
+    n = mesh.num_coords
+    if placement.kind is Kind.REPLICATED:
+        return [tuple((0, s) for s in shape)] * n
+    d, blocks, count = placement.shard_dim, *_blocks(shape, placement, mesh)
+    if any(length == 0 for _, length in blocks[0]):  # nothing to split (rare): the rule, coordinate by coordinate
+        return [local_box(shape, placement, mesh, c) for c in range(n)]
+    rows = blocks[0][d][1]  # every block's split dim has the same length
+    out = []
+    for e in range(n // len(blocks)):
+        offset, length = chunk(rows, count, e)
+        for block in blocks:
+            piece = (block[d][0] + offset, length) if length else (shape[d], 0)  # torch's offset of an empty shard
+            out.append(block[:d] + (piece,) + block[d + 1:])
+    return out
+
+
+def _blocks(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) -> tuple[list[Box], int]:
+    """The blocks coordinate `c` takes its chunk from, block `c % len(blocks)` (the EP index: one block, the whole
+    tensor, without EP), and how many chunks each block's split dim is cut into (as `local_box` does)."""
+    whole = tuple((0, s) for s in shape)
+    if placement.kind is Kind.DENSE or placement.ep == 1:
+        return [whole], mesh.fsdp
+    per_group = shape[0] // placement.ep
+    return [((i * per_group, per_group),) + whole[1:] for i in range(mesh.ep)], placement.degree
+
+
+def split_lengths(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) -> list[int]:
+    """Each coordinate's local length on the split dim (0: an empty local), in O(coordinates) without a box: a
+    coordinate's length depends only on its chunk index `e` (see `coordinate_boxes`)."""
+    if placement.kind is Kind.REPLICATED:
+        return [shape[0] if shape else 1] * mesh.num_coords
+    d, blocks, count = placement.shard_dim, *_blocks(shape, placement, mesh)
+    lengths = chunk_lengths(blocks[0][d][1], count)[:mesh.num_coords // len(blocks)]
+    lengths += [0] * (mesh.num_coords // len(blocks) - len(lengths))  # (a count below the chunks asked for)
+    return lengths if len(blocks) == 1 else [length for length in lengths for _ in blocks]
+
+
+def local_sizes(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) -> list[int]:
+    """Each coordinate's local element count, in O(coordinates): only the split dim's length varies."""
+    numel = math.prod(shape)
+    if placement.kind is Kind.REPLICATED or numel == 0:
+        return [numel] * mesh.num_coords
+    d, blocks, _ = placement.shard_dim, *_blocks(shape, placement, mesh)
+    rest = math.prod(n for i, (_, n) in enumerate(blocks[0]) if i != d)  # a block's elements per row of dim d
+    return [rest * length for length in split_lengths(shape, placement, mesh)]
+
+
 def box_is_empty(box: Box) -> bool:
     return any(length == 0 for _, length in box)
 
@@ -128,8 +192,7 @@ class TensorPlan:
     planned: Placement
 
     def boxes(self, mesh: MeshSpec, *, stock: bool = False) -> tuple[Box, ...]:
-        placement = self.stock if stock else self.planned
-        return tuple(local_box(self.tensor.shape, placement, mesh, f) for f in range(mesh.num_coords))
+        return tuple(coordinate_boxes(self.tensor.shape, self.stock if stock else self.planned, mesh))
 
 
 @dataclass(frozen=True)
@@ -223,10 +286,6 @@ def family_of(name: str) -> str:
     return _LAYER.sub(".*.", _LAYER.sub(".*.", name))
 
 
-def _nbytes(box: Box, dtype: str) -> int:
-    return math.prod(length for _, length in box) * DTYPE_BITS[dtype] // 8
-
-
 @dataclass(frozen=True)
 class FamilySummary:
     pattern: str
@@ -249,23 +308,26 @@ class FamilySummary:
 
 
 def _rows(plan: TensorPlan, mesh: MeshSpec, stock: bool) -> tuple[int, ...]:
-    placement = plan.stock if stock else plan.planned
-    if placement.kind is Kind.REPLICATED:
-        return tuple(plan.tensor.shape[0] if plan.tensor.shape else 1 for _ in range(mesh.num_coords))
-    return tuple(box[placement.shard_dim][1] for box in plan.boxes(mesh, stock=stock))
+    return tuple(split_lengths(plan.tensor.shape, plan.stock if stock else plan.planned, mesh))
 
 
 def expert_bytes_per_rank(plan: ReshardPlan) -> tuple[list[int], list[int]]:
-    """Routed-expert bytes each fsdp coordinate holds: (stock transformers', the plan's)."""
-    stock_bytes = [0] * plan.mesh.num_coords
-    planned_bytes = [0] * plan.mesh.num_coords
-    for tp in plan.tensors:
-        if tp.tensor.role is Role.EXPERT:
-            for f, box in enumerate(tp.boxes(plan.mesh, stock=True)):
-                stock_bytes[f] += _nbytes(box, tp.tensor.dtype)
-            for f, box in enumerate(tp.boxes(plan.mesh)):
-                planned_bytes[f] += _nbytes(box, tp.tensor.dtype)
-    return stock_bytes, planned_bytes
+    """Routed-expert bytes each fsdp coordinate holds: (stock transformers', the plan's). O(tensors + kinds x
+    coordinates): tensors of one (shape, placement, dtype) hold the same bytes everywhere, so each kind is sized
+    once and counted."""
+    sides = []
+    for stock in (True, False):
+        kinds: dict[tuple, int] = {}
+        for tp in plan.tensors:
+            if tp.tensor.role is Role.EXPERT:
+                key = (tp.tensor.shape, tp.stock if stock else tp.planned, tp.tensor.dtype)
+                kinds[key] = kinds.get(key, 0) + 1
+        per_coord = [0] * plan.mesh.num_coords
+        for (shape, placement, dtype), count in kinds.items():
+            scale = count * DTYPE_BITS[dtype] // 8
+            per_coord = [total + scale * n for total, n in zip(per_coord, local_sizes(shape, placement, plan.mesh))]
+        sides.append(per_coord)
+    return sides[0], sides[1]
 
 
 def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
@@ -278,19 +340,18 @@ def summarize(plan: ReshardPlan) -> tuple[list[FamilySummary], dict]:
              "stock_expert_tensors": 0, "planned_expert_tensors": 0}
     for tp in plan.tensors:
         t = tp.tensor
-        key = (family_of(t.name), t.shape, t.dtype, tp.stock, tp.planned)
+        key = (family_of(t.name), t.shape, t.dtype, tp.stock, tp.planned, t.role)
         counts[key] = counts.get(key, 0) + 1
-        if key not in families:
+        if key not in families:  # a family's rows are computed once: O(families x coordinates), not tensors x
             families[key] = FamilySummary(key[0], t.role, 0, t.shape, t.dtype, tp.stock, tp.planned,
                                           _rows(tp, mesh, True), _rows(tp, mesh, False))
-        fam = families[key]
-        for side in ("stock", "planned"):
-            ranks = fam.stock_empty if side == "stock" else fam.planned_empty
+    out = [dataclasses.replace(f, count=counts[k]) for k, f in families.items()]
+    for fam in out:
+        for side, ranks in (("stock", fam.stock_empty), ("planned", fam.planned_empty)):
             if ranks:
-                empty[f"{side}_tensors"] += 1
-                empty[f"{side}_expert_tensors"] += t.role is Role.EXPERT
+                empty[f"{side}_tensors"] += fam.count
+                empty[f"{side}_expert_tensors"] += fam.count if fam.role is Role.EXPERT else 0
                 empty[f"{side}_ranks"].update(ranks)
-    out = [FamilySummary(**{**f.__dict__, "count": counts[k]}) for k, f in families.items()]
 
     def ratio(values):
         mean = sum(values) / len(values)

@@ -24,8 +24,8 @@ class RankSpans(tuple):
         for part in str(text).split(","):
             match = _SPAN.fullmatch(part.strip())
             if not match or (match[2] is not None and int(match[2]) < int(match[1])):
-                raise UsageError(f"{text!r} is not a rank list like 0-7 or 0,8,16-23 (ASCII digits, each span "
-                                 "first-last with first <= last).")
+                raise UsageError(f"{text!r} is not a rank list like 0-7 or 0,8,16-23 (ranks in ASCII digits 0-9, a "
+                                 "span FIRST-LAST with FIRST <= LAST).")
             spans.append((int(match[1]), int(match[2] if match[2] is not None else match[1])))
         return cls(spans)
 

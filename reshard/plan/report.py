@@ -11,15 +11,20 @@ from .placement import FamilySummary, Kind, ReshardPlan, expert_bytes_per_rank, 
 PLAN_JSON_VERSION = 1
 
 
+MAP_WIDTH = 128  # one character per rank up to this many ranks; runs beyond, so a line stays readable
+MAX_RUNS = 24
+
+
 def _rank_map(rows: tuple[int, ...], replicated: bool) -> str:
     """Rows on the split dim per fsdp coordinate, `.` for an empty local.
 
-    One character per rank while every count is a single digit (`33333320` x 8 for GLM-4.6 stock); otherwise runs,
-    `384x64` for 64 ranks of 384 rows, `12x3 .x1` when the last of 4 ranks is empty.
+    One character per rank while every count is a single digit and there are at most `MAP_WIDTH` ranks
+    (`33333320` x 8 for GLM-4.6 stock); otherwise runs, `384x64` for 64 ranks of 384 rows, `12x3 .x1` when the last
+    of 4 ranks is empty, `1x4 .x65532` at 65,536 ranks; past `MAX_RUNS` runs, the rest is counted.
     """
     if replicated:
         return "all ranks hold it whole"
-    if max(rows) < 10:
+    if max(rows) < 10 and len(rows) <= MAP_WIDTH:
         return "".join("." if n == 0 else str(n) for n in rows)
     runs: list[list[int]] = []
     for n in rows:
@@ -27,7 +32,8 @@ def _rank_map(rows: tuple[int, ...], replicated: bool) -> str:
             runs[-1][1] += 1
         else:
             runs.append([n, 1])
-    return " ".join(f"{'.' if n == 0 else n}x{count}" for n, count in runs)
+    text = " ".join(f"{'.' if n == 0 else n}x{count}" for n, count in runs[:MAX_RUNS])
+    return text + (f" ... ({len(runs) - MAX_RUNS} more runs)" if len(runs) > MAX_RUNS else "")
 
 
 def _human_bytes(n: float) -> str:

@@ -32,6 +32,7 @@ from ..errors import CheckpointError
 from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
                         read_manifest, region_text, tied_from_record)
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, role_of, whole_tensor
+from ..plan.mesh import ranks_text
 from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, header_of, read_config
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -116,7 +117,7 @@ def _read_reshard_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
     headers: list[FileHeader] = []
     chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...]]]] = {name: [] for name in manifest.order}
     for entry in manifest.files:
-        holds = f"the file of rank(s) {list(manifest.coords[entry.coord].ranks)}"
+        holds = f"the file of {ranks_text(manifest.coords[entry.coord].ranks)}"
         header = _checked_header(store, entry, spec, manifest, holds)
         headers.append(header)
         by_name = {t.name: t for t in header.tensors}

@@ -86,6 +86,7 @@ def placed_runs(start: int, boxes: list, entries: dict[str, TensorEntry]) -> tup
     `dst` an absolute offset in the file, and the offset where the last chunk ends (the file's size)."""
     placed, base = [], start
     for nbytes, tensor, box in boxes:
-        placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(tensor, box, entries)]
+        if nbytes:  # an empty marker has no bytes to place
+            placed += [Run(r.file, r.src, base + r.dst, r.nbytes) for r in chunk_runs(tensor, box, entries)]
         base += nbytes
     return placed, base

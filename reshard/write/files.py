@@ -32,11 +32,13 @@ def safetensors_header(chunks: list, metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata: dict[str, str], engine: Engine, *,
-                      checksum: bool = True) -> int | None:
+def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata: dict[str, str] | None,
+                      engine: Engine, *, checksum: bool = True, header: bytes | None = None) -> int | None:
     """Create `path` holding the `chunks`, whose bytes are `boxes` (`(nbytes, tensor, box)` each, in the same
-    order); returns the file's CRC-32 (None without `checksum`)."""
-    header = safetensors_header(chunks, metadata)
+    order); returns the file's CRC-32 (None without `checksum`). `header`: `safetensors_header(chunks, metadata)`
+    when the caller has it already."""
+    if header is None:
+        header = safetensors_header(chunks, metadata)
     fd = create_sized(path, len(header) + sum(nbytes for nbytes, _, _ in boxes))
     try:
         return engine.fill(fd, header, boxes, checksum=checksum)

@@ -17,22 +17,28 @@ from pathlib import Path
 
 from ..manifest import MANIFEST_NAME, Manifest, build_manifest, dcp_metadata, extra_file_name, shard_file_name
 from ..plan.dtypes import DTYPE_BITS
-from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_sizes, split_parts
+from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_key, coordinate_sizes, split_parts
 from ..plan.placement import ReshardPlan
 from ..read.checkpoint import CheckpointIndex
 from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
-from .files import copy_source_file, write_safetensors
+from .files import copy_source_file, safetensors_header, write_safetensors
 from .output import headers_digest
 from .staged import StagedOutput, fsync_path, local_sources
 
 
-def write_rank_file(path: Path, items: list, engine: Engine) -> dict:
-    """Write one rank file of `(ChunkSpec, tensor, box)` items; its manifest entry (without `coord`)."""
+def rank_file_layout(items: list) -> tuple[list, bytes, list]:
+    """What a rank file of `(ChunkSpec, tensor, box)` items holds: (its chunk specs, its header, the engine's boxes).
+    Coordinates with equal chunks (a mesh of thousands has few kinds) share one."""
     specs = [spec for spec, _, _ in items]
-    metadata = dcp_metadata({s.name: list(s.offsets) for s in specs})
-    crc = write_safetensors(path, specs, [(spec.nbytes, tensor, box) for spec, tensor, box in items], metadata,
-                            engine)
+    header = safetensors_header(specs, dcp_metadata({s.name: list(s.offsets) for s in specs}))
+    return specs, header, [(spec.nbytes, tensor, box) for spec, tensor, box in items]
+
+
+def write_rank_file(path: Path, layout: tuple[list, bytes, list], engine: Engine) -> dict:
+    """Write one rank file of `layout` (`rank_file_layout`); its manifest entry (without `coord`)."""
+    specs, header, boxes = layout
+    crc = write_safetensors(path, specs, boxes, None, engine, header=header)
     # The chunks are a run of the plan's order; their offsets and shapes follow from the placements (the manifest
     # stays linear in tensors plus files, however many coordinates).
     return {"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc:08x}",
@@ -60,12 +66,17 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
     """
     engine = Engine(index, progress, source_crcs)
     files, paths = [], []
+    last: tuple = (None, None)  # (boxes of every kind, its files' layouts) of the coordinate before: equal boxes, equal files
     try:
         for coord in coords:
-            parts = split_parts(coordinate_chunks(plan, coord), max_shard_size)  # one coordinate's list at a time
-            for part, items in enumerate(parts):
-                path = tmp / shard_file_name(coord, part, len(parts))
-                files.append({"coord": coord, **write_rank_file(path, items, engine)})
+            key = coordinate_key(plan, coord)
+            if key != last[0]:  # one coordinate's list at a time
+                parts = split_parts(coordinate_chunks(plan, coord), max_shard_size)
+                last = (key, [rank_file_layout(items) for items in parts])
+            layouts = last[1]
+            for part, layout in enumerate(layouts):
+                path = tmp / shard_file_name(coord, part, len(layouts))
+                files.append({"coord": coord, **write_rank_file(path, layout, engine)})
                 paths.append(path)
         engine.finish()
     finally:
