@@ -166,8 +166,8 @@ def check_reads(monkeypatch):
     read: list[int] = []
     real = source_check._reader
 
-    def counting(fd):
-        read_crc = real(fd)
+    def counting(store, file):
+        read_crc = real(store, file)
 
         def counted(offset, length):
             read.append(length)

@@ -255,7 +255,7 @@ def test_the_manifest_does_not_grow_with_dp_replicate(folders, tmp_path):
     result = invoke("files", tmp_path / "dp1000", "--ranks", "1999")  # the last replica's coordinate 1
     assert result.exit_code == 0 and "shard-00002-model-00001-of-00001.safetensors" in result.output, result.output
     assert "shard-00001-" not in result.output
-    assert check_folder(tmp_path / "dp1000", against=src)["ok"]
+    assert check_folder(tmp_path / "dp1000", against=src).ok
 
 
 def test_a_mesh_of_65536_coordinates_plans_in_readable_lines(folders):
@@ -409,7 +409,7 @@ def test_sigterm_during_a_write_of_many_files_exits_before_deleting_them_and_say
     assert not Path(marker.read_text()).exists()  # the live temporary name is free: renamed stale
     if command == "write":
         write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)  # the next write removes what was left
-        assert check_folder(out, against=src)["ok"]
+        assert check_folder(out, against=src).ok
     else:
         merge_checkpoint(src, out, progress=False)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
@@ -421,4 +421,3 @@ def test_sigterm_with_time_to_clean_up_says_nothing_was_left(tiny, tmp_path):
     code, err, _ = interrupted_run("write", src, out, tmp_path / "ready", 30.0, count=3)
     assert code == 143 and "interrupted (SIGTERM); nothing partial was left behind." in err, err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
-    assert check_folder(out, against=src).ok

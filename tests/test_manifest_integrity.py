@@ -197,7 +197,7 @@ def test_swapped_data_offsets_with_the_crc_restamped_are_refused_everywhere(writ
         reshard.from_pretrained(folder)
     assert isinstance(error := reader_error(folder, reference), LoadError) and said in str(error)
     with pytest.raises(ReshardError, match=re.escape(said)):
-        read_dcp_source(folder)
+        open_source(folder)
     code, text = cli_run("merge", folder, tmp_path / "merged")
     assert code == 1 and said in text and not (tmp_path / "merged").exists(), text
 

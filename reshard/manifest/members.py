@@ -108,7 +108,9 @@ def copied_problems(store, copied, *, config: bool = True, all_present: bool = T
             if all_present or (config and name == CONFIG_NAME):
                 problems.append(f"{name}: missing, though reshard.json lists it as copied from the source; {fix}")
         except (ReshardError, OSError) as e:
-            problems.append(str(e))
+            kind = getattr(e, "kind", None)  # a FIFO, a device: named with this folder's remedy
+            problems.append(f"{name}: {kind}, not a regular file; reshard reads only regular files: {fix}" if kind
+                            else str(e))
     if not config or any(p.startswith(f"{CONFIG_NAME}:") for p in problems):
         return problems
     if CONFIG_NAME not in copied and not store.exists(CONFIG_NAME):

@@ -106,9 +106,13 @@ def _kind_of(mode: int) -> str | None:
 
 
 def refuse_irregular(path: Path, name: str, mode: int) -> None:
+    """Refuse a FIFO, a device, a socket or a folder where a file is read; the error's `kind` names which."""
     if kind := _kind_of(mode):
-        raise CheckpointError(f"{name}: {kind}, not a regular file; reshard reads only regular files from a "
-                              "checkpoint. Replace it with the real file. Nothing was read or changed.", path=str(path))
+        error = CheckpointError(f"{name}: {kind}, not a regular file; reshard reads only regular files from a "
+                                "checkpoint. Replace it with the real file. Nothing was read or changed.",
+                                path=str(path))
+        error.kind = kind
+        raise error
 
 
 def open_regular(path: Path, name: str):
