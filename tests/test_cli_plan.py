@@ -193,7 +193,7 @@ def test_missing_folder_is_a_domain_error(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--fsdp", "8", "--ep", "3"], "fsdp * tp (8 * 1 = 8) is not divisible by ep (3)"),
+    (["--fsdp", "8", "--ep", "3"], "fsdp (8) is not divisible by ep (3)"),
     (["--fsdp", "8", "--tp", "2"], "tp=2, pp=1"),
     (["--fsdp", "8", "--pp", "2"], "tp=1, pp=2"),
     (["--fsdp", "0"], "--fsdp"),

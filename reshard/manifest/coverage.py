@@ -32,7 +32,8 @@ def coverage_problems(manifest) -> list[str]:
     dim and the distinct chunks are all the cells of that grid. A replicated tensor is whole in every coordinate.
     """
     mesh, order, problems = manifest.mesh, manifest.order, []
-    runs: dict[int, list[tuple[int, int]]] = {c: [] for c in range(mesh.num_coords)}
+    held = getattr(manifest, "held_coords", None)  # a node's copy: the files of its coordinates only
+    runs: dict[int, list[tuple[int, int]]] = {c: [] for c in (range(mesh.num_coords) if held is None else held)}
     for entry in manifest.files:
         runs.setdefault(entry.coord, []).append((entry.first, entry.count))
     for coord, found in runs.items():

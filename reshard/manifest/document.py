@@ -15,18 +15,23 @@ from .parsed import Manifest
 from .source_layout import source_layout_record
 
 
-def build_manifest(plan: ReshardPlan, index, files: list[dict], extras: list[dict] = (), *, where) -> Manifest:
+def build_manifest(plan: ReshardPlan, index, files: list[dict], extras: list[dict] = (), *, where,
+                   holds=None) -> Manifest:
     """The manifest of a written folder, built from what was written and validated as any manifest read back is.
 
     Args:
         where: the folder being written (messages name it).
+        holds: the rank spans a node's copy holds (`files` are then only theirs), or None for a whole folder.
         plan: the plan the files were written from.
         index: the source (`reshard.read.checkpoint.CheckpointIndex`, or its bf16 view of a quantized checkpoint).
         files: the rank files' entries (`name`, `coord`, `first`, `count`, `bytes`, `crc32`, `empty_markers`),
             every coordinate's, in any order.
         extras: the extras files' entries (`write_extras`); the `extras` section only when there are any.
     """
-    return Manifest.from_document(_document(plan, index, files, extras), where)
+    document = _document(plan, index, files, extras)
+    if holds is not None:
+        document["holds"] = [list(span) for span in holds]
+    return Manifest.from_document(document, where)
 
 
 def _document(plan: ReshardPlan, index, files: list[dict], extras) -> dict:

@@ -37,6 +37,8 @@ class Manifest:
         where: the folder or URL it was read from (or will be written to), as messages show it.
         mesh, order, tensors, files, coords, copied, source, layout, extras, dropped_unloaded, tool: the checked
             sections (`layout`: `balanced` or `stock`).
+        holds: for a node's own copy (`write --node-local`, `write --ranks`), the ranks whose files it holds, as
+            `(first, last)` spans; None for a whole folder.
     """
 
     where: str
@@ -51,6 +53,7 @@ class Manifest:
     extras: tuple[ExtrasEntry, ...]
     dropped_unloaded: int
     tool: str
+    holds: tuple[tuple[int, int], ...] | None
     _document: dict = field(repr=False, compare=False)
 
     @classmethod
@@ -103,6 +106,15 @@ class Manifest:
         """
         coords = sorted({self.mesh.coord_of(r) for r in ranks})
         return [MANIFEST_NAME, *self.copied, *(name for c in coords for name in self.files_of_coord(c))]
+
+    @functools.cached_property
+    def held_coords(self) -> tuple[int, ...]:
+        """The coordinates whose files this copy holds: every one, or those of `holds`."""
+        return tuple(range(self.mesh.num_coords) if self.holds is None else self.mesh.coords_of(self.holds))
+
+    def holds_rank(self, rank: int) -> bool:
+        """Whether this copy holds the files rank `rank` reads."""
+        return self.holds is None or self.mesh.coord_of(rank) in set(self.held_coords)
 
     @property
     def split_dims(self) -> dict[str, int]:

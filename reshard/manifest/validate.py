@@ -158,6 +158,20 @@ def _files(data: dict, mesh: MeshSpec, order: tuple[str, ...]) -> tuple[FileEntr
     return tuple(files)
 
 
+def _holds(data: dict, mesh: MeshSpec) -> tuple[tuple[int, int], ...] | None:
+    """The optional `holds`: the ranks a node's copy holds the files of, as `[first, last]` spans (None: every
+    rank's)."""
+    raw = _get(data, "holds", "", lambda v: v is None or _list(v), "a list of [first, last] rank spans or null",
+               optional=True)
+    if raw is None:
+        return None
+    world = mesh.world_size
+    if not raw or not all(_list(s) and len(s) == 2 and all(_natural(r) for r in s) and s[0] <= s[1] < world
+                          for s in raw):
+        reject("holds", raw, f"a non-empty list of [first, last] spans of ranks of the mesh (0 to {world - 1})")
+    return tuple((s[0], s[1]) for s in raw)
+
+
 def _coords(data: dict, mesh: MeshSpec, files: tuple[FileEntry, ...]) -> tuple[CoordEntry, ...]:
     raw = _get(data, "coords", "", _list, "the list of coordinate entries")
     if len(raw) != mesh.fsdp:  # before any loop over the mesh: an absurd fsdp stops here
@@ -260,7 +274,7 @@ def validate_manifest(data) -> dict:
 
     Returns:
         `mesh`, `order`, `tensors`, `files`, `coords`, `copied`, `source`, `layout`, `extras`, `dropped_unloaded`,
-        `tool`: the fields of `Manifest`.
+        `tool`, `holds`: the fields of `Manifest`.
 
     Raises:
         ManifestError: the first problem, naming the key and its value.
@@ -285,6 +299,9 @@ def validate_manifest(data) -> dict:
     mesh = _mesh(data)
     tensors, order = _tensors(data)
     files = _files(data, mesh, order)
+    holds = _holds(data, mesh)
+    if holds is not None and (strays := sorted({f.coord for f in files} - set(mesh.coords_of(holds)))):
+        reject("holds", [list(s) for s in holds], f"the ranks whose files are listed (coordinate {strays[0]} too)")
     coords = _coords(data, mesh, files)
     _placements_fit(tensors, mesh)
     _sizes_fit(tensors, files)
@@ -294,4 +311,4 @@ def validate_manifest(data) -> dict:
     return {"mesh": mesh, "order": order, "tensors": MappingProxyType(tensors), "files": files, "coords": coords,
             "copied": _copied(data), "source": _source(data), "layout": layout, "extras": _extras(data, files),
             "dropped_unloaded": _get(data, "dropped_unloaded", "", _natural, "a count >= 0", optional=True, default=0),
-            "tool": _get(data, "tool", "", _str, "a string", optional=True, default="")}
+            "tool": _get(data, "tool", "", _str, "a string", optional=True, default=""), "holds": holds}

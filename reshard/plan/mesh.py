@@ -80,9 +80,8 @@ class MeshSpec:
             raise MeshError(f"ep ({self.ep}) must be divisible by tp ({self.tp}), as DistributedConfig requires.")
         if (self.fsdp * self.tp) % self.ep:
             raise MeshError(
-                f"fsdp * tp ({self.fsdp} * {self.tp} = {self.fsdp * self.tp}) is not divisible by ep ({self.ep}): "
-                "each EP group must be whole. Pick an ep that divides fsdp (the seed scenario ep=8 x efsdp=8 is "
-                "--fsdp 64 --ep 8)."
+                f"fsdp ({self.fsdp * self.tp}) is not divisible by ep ({self.ep}): every group of ep ranks must be "
+                "whole. Pick an ep that divides fsdp: 64 ranks in 8 expert-parallel groups of 8 is --fsdp 64 --ep 8."
             )
 
     @property
@@ -99,6 +98,16 @@ class MeshSpec:
     def num_coords(self) -> int:
         """How many coordinates (file groups) the mesh has: ranks of different replicas share a coordinate's files."""
         return self.fsdp
+
+    def coords_of(self, spans) -> list[int]:
+        """The coordinates the ranks of `spans` (inclusive `(first, last)` pairs) read, sorted; linear in spans and
+        coordinates, never in ranks (a span of a whole replica covers every coordinate)."""
+        found: set[int] = set()
+        for first, last in spans:
+            if last - first + 1 >= self.fsdp:
+                return list(range(self.fsdp))
+            found.update(r % self.fsdp for r in range(first, last + 1))
+        return sorted(found)
 
     def coord_ranks(self, coord: int) -> range:
         """The global ranks that read coordinate `coord`'s files, one per replica (`r * fsdp + coord`): derived, never

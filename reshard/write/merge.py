@@ -264,6 +264,10 @@ class MergeJob:
         return [sum(t.nbytes for t in part) for part in self.parts]
 
     @property
+    def units(self) -> list[int]:
+        return list(range(len(self.parts)))
+
+    @property
     def copied(self) -> list[str]:
         return [name for name in self.index.other_files if name not in self.names and name != INDEX_NAME]
 

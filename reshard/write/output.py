@@ -26,12 +26,14 @@ class OutputJob(Protocol):
         command: `write` or `merge` (the progress bar's label).
         index: the source; a reshard folder's files are checked against its manifest's CRC-32s (`SourceCrcs`).
         unit_sizes: the bytes of each unit's files, by unit (the shares are balanced by them).
+        units: the units this output holds, in order: every one, or a node's share (`WriteJob.holds`).
         compute: whether the chunks are computed (a dequantizing write): `--workers` then defaults to every core.
     """
 
     command: str
     index: object
     unit_sizes: list[int]
+    units: list[int]
     compute: bool
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
@@ -87,7 +89,7 @@ def write_output(job: OutputJob, out, *, overwrite: bool = False, progress: bool
     stage = job.staged(out, overwrite)
     with sigterm_as_interrupt(), stage.locked():
         stage.claim(job.needed_bytes())
-        sizes = job.unit_sizes
+        sizes = [job.unit_sizes[u] for u in job.units]
         if workers is None:
             workers = default_workers(sum(sizes), len(sizes), compute=job.compute)
         workers = min(workers, len(sizes)) if sizes else 1
@@ -98,7 +100,7 @@ def write_output(job: OutputJob, out, *, overwrite: bool = False, progress: bool
                 if workers > 1:
                     pairs = write_with_workers(job, tmp, workers, source_crcs, progress=bar)
                 else:
-                    pairs = job.write_units(tmp, range(len(sizes)), progress=bar, source_crcs=source_crcs)
+                    pairs = job.write_units(tmp, job.units, progress=bar, source_crcs=source_crcs)
                 result = job.finish(tmp, in_unit_order(pairs), stage.out, source_crcs)
                 source_crcs.check()  # a damaged source file is refused before the output is put in place
                 stage.complete()

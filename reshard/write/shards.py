@@ -123,16 +123,31 @@ def extras_bytes(plan: ReshardPlan) -> int:
 
 @dataclass(frozen=True)
 class WriteJob:
-    """A `write` as an output job (`reshard.write.output.OutputJob`): its units are the coordinates."""
+    """A `write` as an output job (`reshard.write.output.OutputJob`): its units are the coordinates.
+
+    Attributes:
+        holds: for a node's own copy, the rank spans whose files it holds (the manifest records them; the extras
+            files go with the copy that holds rank 0); None: every rank's.
+    """
 
     plan: ReshardPlan
     index: CheckpointIndex
     max_shard_size: int | None = None
+    holds: tuple[tuple[int, int], ...] | None = None
     command = "write"
 
     @cached_property
     def unit_sizes(self) -> list[int]:
         return coordinate_sizes(self.plan)  # chunk lists are built one coordinate at a time, as its files are written
+
+    @cached_property
+    def units(self) -> list[int]:
+        mesh = self.plan.mesh
+        return list(range(mesh.num_coords)) if self.holds is None else mesh.coords_of(self.holds)
+
+    @property
+    def holds_extras(self) -> bool:
+        return self.holds is None or any(first == 0 for first, _ in self.holds)
 
     @property
     def compute(self) -> bool:
@@ -147,7 +162,7 @@ class WriteJob:
         return StagedOutput(out, overwrite, local_sources(self.index))
 
     def needed_bytes(self) -> int:
-        return (sum(self.unit_sizes) + extras_bytes(self.plan)
+        return (sum(self.unit_sizes[u] for u in self.units) + (extras_bytes(self.plan) if self.holds_extras else 0)
                 + sum(self.index.store.size(name) for name in self.copied))
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
@@ -159,7 +174,8 @@ class WriteJob:
     def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs) -> Manifest:
         """Complete the folder: extras, copied files, the manifest last; returns the manifest."""
         plan, index = self.plan, self.index
-        extras = write_extras(plan, index, tmp, max_shard_size=self.max_shard_size, source_crcs=source_crcs)
+        extras = (write_extras(plan, index, tmp, max_shard_size=self.max_shard_size, source_crcs=source_crcs)
+                  if self.holds_extras else [])
         for name in self.copied:
             if name == "config.json" and index.quantization is not None:
                 # the bf16 model's config: transformers must not build the quantized model for these files
@@ -168,7 +184,7 @@ class WriteJob:
                 (tmp / name).write_text(json.dumps(dequantized_config(index.config), indent=2) + "\n")
             else:
                 copy_source_file(index.store, name, tmp / name)
-        manifest = build_manifest(plan, index, entries, extras, where=out)
+        manifest = build_manifest(plan, index, entries, extras, where=out, holds=self.holds)
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         return manifest
 

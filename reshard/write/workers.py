@@ -36,8 +36,8 @@ STOP_WORKERS_S = 10.0  # a terminated worker that has not exited by then is kill
 
 # ---- shares ------------------------------------------------------------------------------------------------------
 
-def assign_shares(sizes: list[int], writers: int) -> list[list[int]]:
-    """Split units (with `sizes[u]` bytes each) among `writers`, balanced by bytes.
+def assign_shares(sizes: list[int], writers: int, units=None) -> list[list[int]]:
+    """Split `units` (default: every unit; unit `u` has `sizes[u]` bytes) among `writers`, balanced by bytes.
 
     Greedy largest-first: each unit, the largest first, goes to the writer with the fewest bytes so far. Ties
     go to the lower unit and the lower writer, so the result depends only on the sizes.
@@ -47,7 +47,7 @@ def assign_shares(sizes: list[int], writers: int) -> list[list[int]]:
     """
     shares: list[list[int]] = [[] for _ in range(writers)]
     loads = [(0, w) for w in range(writers)]
-    for unit in sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)):
+    for unit in sorted(range(len(sizes)) if units is None else units, key=lambda u: (-sizes[u], u)):
         load, w = heapq.heappop(loads)
         shares[w].append(unit)
         heapq.heappush(loads, (load + sizes[unit], w))
@@ -185,7 +185,7 @@ def write_with_workers(job, tmp: Path, workers: int, source_crcs: SourceCrcs, *,
     """
     import multiprocessing
 
-    shares = [share for share in assign_shares(job.unit_sizes, workers) if share]
+    shares = [share for share in assign_shares(job.unit_sizes, workers, job.units) if share]
     context = multiprocessing.get_context("spawn")
     payload = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)  # once, not once per worker
     procs, readers = [], []
