@@ -10,6 +10,7 @@ import shlex
 from .errors import ArchitectureError, UsageError
 from .plan.mesh import MeshSpec
 from .plan.placement import LayoutMode, make_plan
+from .plan.ranks import RankSpans
 from .read.quant import OUTPUT_DTYPES
 from .read.source import DISTRIBUTED, Kind, open_source
 from .results import EnvResult, FilesResult, MergeResult, PlanResult, VerifyResult, WriteResult
@@ -45,9 +46,7 @@ def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMo
 
 def _write_line(src: str, mesh: MeshSpec, mode: LayoutMode, revision, *, stream: bool, quantized: bool) -> str:
     """The `reshard write` command for the mesh and flags just planned, with OUT left for the user to name."""
-    flags = {"--fsdp": mesh.fsdp, "--ep": mesh.ep, "--dp-replicate": mesh.dp_replicate}
-    words = ["reshard", "write", src, "OUT"] + [w for flag, v in flags.items() if v != 1 or flag == "--fsdp"
-                                                for w in (flag, str(v))]
+    words = ["reshard", "write", src, "OUT"] + mesh.flags().split()
     words += (["--layout", mode.value] if mode is not LayoutMode.BALANCED else [])
     words += (["--revision", revision] if revision else []) + (["--stream"] if stream else [])
     words += ["--dequantize", "bf16"] if quantized else []
@@ -58,7 +57,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
                      revision: str | None = None, stream: bool = False, overwrite: bool = False,
                      max_shard_size: int | None = None, progress: bool | None = None, workers: int | None = 1,
                      distributed: bool | None = None, dequantize: str | None = None,
-                     drop_unloaded: bool = False) -> WriteResult | None:
+                     drop_unloaded: bool = False, ranks=None, node_local: bool = False) -> WriteResult | None:
     """Plan `source` on `mesh` and write it to `out`: what `reshard write` runs, with the same defaults except
     `workers`.
 
@@ -84,14 +83,20 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         drop_unloaded: leave out the on-disk tensors the model does not load (MTP layers, other unexpected keys).
             By default they are kept, whole and under their own keys, in `extra-*.safetensors` files no rank loads,
             listed in the manifest's `extras`, and `merge` writes them back.
+        ranks: write one node's copy: only the files these global ranks load (`RankSpans`, or text like `8-15`),
+            and the manifest records them; in this process, for a node set up by ssh or srun.
+        node_local: under a multi-node torchrun, each node writes into `out` on its own disk the files its
+            processes' ranks load; the mesh must have one rank per process.
 
     Returns:
-        A `WriteResult` (its `manifest` is the folder's), or None on the ranks other than 0 of a distributed write.
+        A `WriteResult` (its `manifest` is the folder's; node-local, node 0's), or None on the ranks other than 0
+        of a distributed write.
 
     Raises:
         ReshardError: a problem with the source, the mesh or the output; nothing partial is left. In a distributed
             write, on every rank together.
-        UsageError: `out` is a URL; `workers` above 1 in a distributed write.
+        UsageError: `out` is a URL; `workers` above 1 in a distributed write; `ranks` in a distributed write, or
+            `node_local` outside one.
 
     Example:
         >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
@@ -105,15 +110,17 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
     check_max_shard_size(max_shard_size)
+    spans = RankSpans.parse(ranks) if isinstance(ranks, str) else ranks
     kinds: list[Kind] = []
 
     def read_job() -> WriteJob:
         opened = open_source(source, revision=revision, stream=stream)
         kinds.append(opened.kind)
-        return WriteJob(*_plan_for_write(opened, mesh, mode, dequantize, drop_unloaded), max_shard_size)
+        job = WriteJob(*_plan_for_write(opened, mesh, mode, dequantize, drop_unloaded), max_shard_size)
+        return job if spans is None else job.for_ranks(spans)
 
     job, manifest = run_job(read_job, out, command="write", overwrite=overwrite, progress=progress, workers=workers,
-                            distributed=distributed)
+                            distributed=distributed, node_local=node_local, ranks_given=spans is not None)
     if job is None:
         return None
     return WriteResult(manifest, str(out), str(source), kinds[-1].value, revision)
@@ -138,17 +145,20 @@ def _plan_for_write(opened, mesh: MeshSpec, mode, dequantize: str | None, drop_u
 
 
 def verify_folder(out, *, against=None, revision: str | None = None, checksums: bool = True,
-                  progress: bool | None = None) -> VerifyResult:
+                  progress: bool | None = None, ranks=None) -> VerifyResult:
     """Check a reshard folder (or a merged one) and, with `against`, every byte against its source: what `reshard
     verify` runs. The problems are in the result (`ok` is False when there is any); see `reshard.verify`, which
-    raises them."""
+    raises them. `ranks` (`RankSpans` or text like `8-15`): check only the files those ranks load (a node's copy
+    staged by hand); a copy written for some ranks (`write --node-local`, `--ranks`) is checked for those."""
     from .verification import check_folder
 
-    return check_folder(out, against=against, revision=revision, checksums=checksums, progress=progress)
+    spans = RankSpans.parse(ranks) if isinstance(ranks, str) else ranks
+    return check_folder(out, against=against, revision=revision, checksums=checksums, progress=progress,
+                        ranks=spans)
 
 
 def verify(out, *, against=None, revision: str | None = None, checksums: bool = True,
-           progress: bool | None = None) -> VerifyResult:
+           progress: bool | None = None, ranks=None) -> VerifyResult:
     """Check a `reshard write` folder; with `against`, compare every byte with the source checkpoint.
 
     Checks: every manifest file exists with its size and CRC-32; each coordinate's files hold every tensor once (a
@@ -170,7 +180,8 @@ def verify(out, *, against=None, revision: str | None = None, checksums: bool = 
     location = locate(out, outside_links=True)
     if location.kind is Kind.RESHARD:
         read_manifest(location.store)  # an unsound manifest raises its own ManifestError before any file is read
-    result = verify_folder(out, against=against, revision=revision, checksums=checksums, progress=progress)
+    result = verify_folder(out, against=against, revision=revision, checksums=checksums, progress=progress,
+                           ranks=ranks)
     if not result.ok:
         raise VerifyError(list(result.problems))
     return result

@@ -179,6 +179,11 @@ def main() -> None:
 @click.option("--distributed/--no-distributed", default=None,
               help="Write as one rank of a torchrun job, into a shared OUT. Default: on when RANK, LOCAL_RANK "
                    "and WORLD_SIZE > 1 are set.")
+@click.option("--node-local", is_flag=True,
+              help="In a multi-node torchrun: each node writes into OUT on its own disk just the files its "
+                   "processes' ranks load.")
+@click.option("--ranks", type=RanksType(), default=None,
+              help="Write one node's copy in this process: the files these ranks load (0-7, or 0,8,16-23).")
 @click.option("--dequantize", type=click.Choice(["bf16"]), default=None,
               help="Write a quantized SRC (block-scaled FP8, MXFP4) as bf16 rank files in one pass; required for "
                    "one.")
@@ -187,8 +192,8 @@ def main() -> None:
                    "loads, for merge.")
 @quiet_option
 @json_option
-def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, workers, distributed, dequantize,
-          drop_unloaded, quiet, as_json):
+def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, workers, distributed, node_local, ranks,
+          dequantize, drop_unloaded, quiet, as_json):
     """Write SRC as per-rank shard files for the mesh into OUT, plus reshard.json.
 
     Every rank gets its own file (replicas share them): a non-empty slice of every tensor, or an explicit empty
@@ -199,6 +204,10 @@ def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, wor
     files into one temporary folder; the result is the same. A quantized SRC needs --dequantize bf16: each chunk
     is then computed from just the source rows and scales it needs, and --workers uses the cores for it.
 
+    Without a shared file system, --node-local under a multi-node torchrun gives each node, at OUT on its own
+    disk, the files its ranks load (the mesh must have one rank per process); --ranks writes one node's copy in
+    one process. Each copy's reshard.json records the ranks it holds.
+
     \b
     Example:
       reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
@@ -206,12 +215,16 @@ def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, wor
       reshard write deepseek-ai/DeepSeek-V3 ./dsv3-ep8 --fsdp 64 --ep 8 --dequantize bf16 --stream
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
           -m reshard write ./Mixtral-8x7B ./mixtral-fsdp5 --fsdp 5
+      torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+          -m reshard write s3://models/GLM-4.6 /nvme/glm --fsdp 64 --ep 8 --node-local
+      reshard write s3://models/GLM-4.6 /nvme/glm --fsdp 64 --ep 8 --ranks 8-15
     """
     from .api import write_checkpoint
 
     result = write_checkpoint(src, out, mesh, mode=mode, revision=revision, stream=stream, overwrite=overwrite,
                               max_shard_size=max_shard_size, progress=False if quiet else None, workers=workers,
-                              distributed=distributed, dequantize=dequantize, drop_unloaded=drop_unloaded)
+                              distributed=distributed, dequantize=dequantize, drop_unloaded=drop_unloaded,
+                              ranks=ranks, node_local=node_local)
     if result is not None:  # None: another rank of a distributed write; rank 0 prints the summary
         _show(result, as_json)
 
@@ -222,23 +235,28 @@ def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, wor
               help="The source checkpoint: compare every byte with it.")
 @revision_option
 @click.option("--no-checksums", is_flag=True, help="Skip recomputing each file's CRC-32 (faster, less thorough).")
+@click.option("--ranks", type=RanksType(), default=None,
+              help="Check only the files these ranks load (a node's copy staged by hand): 0-7, or 0,8,16-23.")
 @quiet_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as a JSON document (also when it fails).")
-def verify_command(out, against, revision, no_checksums, quiet, as_json):
+def verify_command(out, against, revision, no_checksums, ranks, quiet, as_json):
     """Prove OUT complete and exact: files vs manifest, coverage, empty markers; with --against SRC, every byte.
 
     Prints one line per problem and exits 1 if there is any. This checks the copying (every byte where the
     manifest says, equal to the source bytes reshard's key mapping names), not the mapping itself. OUT may be a
-    local folder or an s3:// URL; a plain HF checkpoint (what `reshard merge` writes) is checked as one.
+    local folder or an s3:// URL; a plain HF checkpoint (what `reshard merge` writes) is checked as one. A node's
+    copy (`write --node-local` or `--ranks`) is checked for the ranks it holds, and the result says which; a copy
+    staged by hand (`reshard files --ranks`) is checked with the same --ranks.
 
     \b
     Example:
       reshard verify ./mixtral-fsdp5 --against ./Mixtral-8x7B
+      reshard verify /nvme/glm --ranks 8-15
     """
     from .api import verify_folder
 
     result = verify_folder(out, against=against, revision=revision, checksums=not no_checksums,
-                           progress=False if quiet else None)
+                           progress=False if quiet else None, ranks=ranks)
     if as_json:
         click.echo(result.to_json())
     if not result.ok:

@@ -160,8 +160,10 @@ class VerifyResult:
             what = f"{plural(self.files, 'file')}, {plural(self.tensors, 'checkpoint key')}, index and headers agree"
         else:
             what = (f"{plural(self.files, 'file')}, {plural(self.tensors, 'model tensor')}, "
-                    f"{plural(self.empty_markers, 'explicit empty marker')}, every tensor covered exactly once")
-        held = f" (the files of ranks {self.ranks})" if self.ranks is not None else ""
+                    f"{plural(self.empty_markers, 'explicit empty marker')}, "
+                    + ("every tensor covered exactly once" if self.ranks is None else
+                       "every chunk those ranks load in place once"))
+        held = f" (a node's copy: the files of ranks {self.ranks})" if self.ranks is not None else ""
         return (f"OK {self.folder}{held}: {what}"
                 + (f", {self.bytes_compared} bytes equal to {self.against}" if self.against else "")
                 + (f" ({plural(len(self.dequantized_tensors), 'tensor')} recomputed from its quantized weights)"

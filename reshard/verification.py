@@ -16,6 +16,7 @@ from .errors import ReshardError, UsageError, VerifyError
 from .manifest import copied_problems, coverage_problems, header_problems, read_manifest, tied_from_record
 from .plan.dtypes import DTYPE_BITS
 from .plan.mesh import ranks_text
+from .plan.ranks import RankSpans
 from .read.checkpoint import INDEX_NAME, header_of
 from .read.source import Kind, locate, open_source
 from .read.store import READ_BLOCK
@@ -26,11 +27,15 @@ COMPARE_BLOCK = 1 << 20  # bytes compared at a time: one buffer per side
 
 
 def check_folder(folder, *, against=None, revision: str | None = None, checksums: bool = True,
-                 progress: bool | None = None) -> VerifyResult:
+                 progress: bool | None = None, ranks=None) -> VerifyResult:
     """`reshard verify`: every check, the problems in the result instead of raised (`reshard.api.verify` raises).
+
+    A node's copy (its manifest's `holds`) is checked for the ranks it holds; `ranks` (rank spans) checks only the
+    files those ranks load, in a copy staged by hand.
 
     Raises:
         ReshardError: the source given as `against` cannot be read.
+        UsageError: `ranks` outside the mesh or the copy.
     """
     location = locate(folder, outside_links=True)
     if location.kind is Kind.CHECKPOINT and _holds_weights(location.store):
@@ -40,6 +45,8 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
         manifest = read_manifest(location.store)
     except VerifyError as e:
         return _with(empty, problems=tuple(e.problems))
+    if ranks is not None:
+        manifest = manifest.for_ranks(ranks)
     problems: list[str] = []
     corrupt: list[str] = []  # CRC mismatches: the structure is still sound, so --against still compares bytes
     dequantized: list[str] = []  # tensors --against recomputed from a quantized source
@@ -57,7 +64,8 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
         bar.close()
     problems = corrupt + problems
     return VerifyResult(not problems, str(folder), empty.against, len(manifest.files), len(manifest.tensors),
-                        markers, compared, tuple(dequantized), tuple(problems))
+                        markers, compared, tuple(dequantized), tuple(problems),
+                        ranks=None if manifest.holds is None else str(RankSpans(manifest.holds)))
 
 
 def _with(result: VerifyResult, **changes) -> VerifyResult:

@@ -8,13 +8,15 @@ while the others wait in a collective (under srun or mpirun no agent would kill 
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ReshardError, VerifyError
+from ..errors import LoadError, ReshardError, VerifyError
 from ..launch import gather, raise_if_any
-from ..errors import LoadError
 from ..manifest import MANIFEST_NAME, Manifest, copied_problems, header_problems, read_manifest
+from ..plan.ranks import RankSpans
 from ..read.checkpoint import header_of
 from ..read.source import locate
 
@@ -41,6 +43,8 @@ def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
 
     Their CRC-32 is checked while they are read (`reshard.load.storage`), not here: that would read them twice.
     """
+    if not manifest.holds_rank(rank):
+        return _node_lacks(manifest, rank, f"holds the files of ranks {RankSpans(manifest.holds)} only")
     for name in manifest.files_of_rank(rank):
         entry = manifest.file_entry(name)
         try:
@@ -49,12 +53,28 @@ def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
                 return f"{name} has {size} bytes, the manifest says {entry.bytes}"
             problems = header_problems(entry, manifest.chunks(entry), header_of(store, name))
         except FileNotFoundError:
-            return f"{name} is missing"
+            return _node_lacks(manifest, rank, f"lacks files its ranks load (`reshard verify {manifest.where}` lists "
+                                               "them)")
         except (ReshardError, OSError) as e:
             return str(e)
         if problems:
             return "; ".join(problems)
     return None
+
+
+def _node_lacks(manifest: Manifest, rank: int, what: str) -> str:
+    """Why this node cannot load, and the commands that would give it its ranks' files: the same text on each of
+    the node's ranks (torchrun's RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), so they are named together."""
+    local, size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    first = rank - local
+    spans = RankSpans.of(range(first, first + size))
+    node = f"node {os.environ['GROUP_RANK']} ({socket.gethostname()})" if "GROUP_RANK" in os.environ else \
+        socket.gethostname()
+    where = manifest.where
+    return (f"on {node}, {where} {what}, not the files of this node's ranks {spans}. Write them there with "
+            f"`reshard write SRC {where} {manifest.mesh.flags()} --ranks {spans}` (or every node's copy at once: "
+            f"`torchrun ... -m reshard write SRC {where} {manifest.mesh.flags()} --node-local`), or copy them from a "
+            f"whole folder: `reshard files FOLDER --ranks {spans}`")
 
 
 def check_copied(manifest: Manifest, store, *, need_config: bool = True) -> None:

@@ -12,8 +12,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import ManifestError, ReshardError
-from ..plan.mesh import MeshSpec
+from ..errors import ManifestError, ReshardError, UsageError
+from ..plan.mesh import MeshSpec, ranks_text
+from ..plan.ranks import RankSpans
 from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of
 from .format import DCP_SHARDING_INFO_KEY, MANIFEST_FORMAT, MANIFEST_NAME, REMEDY, SAVED_OFFSETS_KEY, dump_manifest, show
 from .members import open_member
@@ -111,6 +112,28 @@ class Manifest:
     def held_coords(self) -> tuple[int, ...]:
         """The coordinates whose files this copy holds: every one, or those of `holds`."""
         return tuple(range(self.mesh.num_coords) if self.holds is None else self.mesh.coords_of(self.holds))
+
+    def for_ranks(self, spans) -> "Manifest":
+        """The manifest of a copy holding only the files ranks `spans` load (a node's copy staged by hand with `reshard
+        files --ranks`): their coordinates' files, no extras files (no rank loads those).
+
+        Raises:
+            UsageError: a rank outside the mesh, or one whose files this copy does not hold.
+        """
+        from dataclasses import replace
+
+        world = self.mesh.world_size
+        if (top := max(last for _, last in spans)) >= world:
+            raise UsageError(f"--ranks names rank {top}, but {self.where} is for a mesh of {world} ranks "
+                             f"(0-{world - 1}). Nothing was checked.")
+        coords = set(self.mesh.coords_of(spans))
+        if missing := sorted(coords - set(self.held_coords)):
+            outside = self.coords[missing[0]].ranks
+            raise UsageError(f"{self.where} is a node's copy holding the files of ranks {RankSpans(self.holds)} only "
+                             f"({ranks_text(outside)} {'needs' if len(outside) == 1 else 'need'} others). Pass ranks "
+                             "it holds, or none to check the whole copy. Nothing was checked.")
+        files = tuple(f for f in self.files if f.coord in coords)
+        return replace(self, holds=tuple(tuple(s) for s in spans), files=files, extras=())
 
     def holds_rank(self, rank: int) -> bool:
         """Whether this copy holds the files rank `rank` reads."""

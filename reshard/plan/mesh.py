@@ -145,6 +145,11 @@ class MeshSpec:
             text += f"; experts: efsdp {self.efsdp} x ep {self.ep} ({self.ep} contiguous ranks per EP group)"
         return text
 
+    def flags(self) -> str:
+        """The mesh as the command line gives it: `--fsdp 64 --ep 8` (the flags left at 1 left out, but --fsdp)."""
+        given = {"--fsdp": self.fsdp, "--ep": self.ep, "--dp-replicate": self.dp_replicate}
+        return " ".join(f"{flag} {v}" for flag, v in given.items() if v != 1 or flag == "--fsdp")
+
     def to_dict(self) -> dict[str, int]:
         return {"fsdp": self.fsdp, "ep": self.ep, "dp_replicate": self.dp_replicate, "tp": self.tp, "pp": self.pp}
 

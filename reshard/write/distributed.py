@@ -1,14 +1,16 @@
-"""A distributed `write` or `merge`: the ranks of a torchrun job write shares of one output into one folder.
+"""A distributed `write` or `merge`: the ranks of a torchrun job write shares of one output, into one shared folder or,
+with `--node-local`, into each node's own copy of it.
 
-Rank 0 claims OUT (`reshard.write.staged.StagedOutput`: the lock, the checks, the temporary folder on the shared file
-system); each rank builds the job from its own node's SRC and writes its share of the units
-(`reshard.write.workers.assign_shares`, the same on every rank); the file entries are gathered over a gloo process
-group (`reshard.launch.gloo_group`) with the CRC-32s of the source ranges each rank read; rank 0 checks the source
-files from them (`reshard.runs.source_check`), completes the folder and swaps it in once every rank reported success.
-Ranks wait for each other by polling the job's store, never inside a blocking collective, so SIGTERM (torchrun's
-agent stopping the job) is handled at once; collectives run only once every rank is known to be there. A rank that
-fails tells the others to stop at their next copied block; one that dies is noticed by its missing heartbeats (or
-by torchrun, which then stops the rest). Every rank fails together, with one message naming the failing ranks.
+The ranks are grouped by node (torchrun's `GROUP_RANK`, else the host name). Shared, rank 0 claims OUT
+(`reshard.write.staged.StagedOutput`: the lock, the checks, the temporary folder on the shared file system) and every
+rank writes a share of the units (`reshard.write.workers.assign_shares`, the same on every rank); node-local, the
+lowest rank of each node claims OUT on that node's disk, and the node's ranks write a share of the units its ranks
+load (`OutputJob.for_node`). Each rank builds the job from its own node's SRC. The file entries are gathered over a
+gloo process group (`reshard.launch.gloo_group`) with the CRC-32s of the source ranges each rank read; each claimer
+checks the source files from them (`reshard.runs.source_check`) and completes its folder. Shared, the others wait
+for rank 0's outcome; node-local, every claimer first reports that its folder is ready, and only then do they swap
+them in, so a failure on one node before that point leaves no node with a new folder. The ranks keep in step
+through `reshard.write.ranks`: no rank fails alone, and none hangs when another dies.
 """
 
 from __future__ import annotations
@@ -16,233 +18,20 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError, ReshardError, UsageError
-from ..launch import agreed_failure, gloo_group, launcher_world_size
+from ..launch import gloo_group, launcher_world_size
+from ..plan.ranks import RankSpans
 from ..runs.source_check import SourceCrcs
 from ..signals import sigterm_as_interrupt
 from .output import in_unit_order, progress_bar
+from .ranks import POLL_S, STALE_S, Agreed, Ranks, Stopped, StoreProgress, agreed
 from .staged import output_error, remove_temporary
-from .workers import REPORT_EVERY_S, assign_shares
-
-POLL_S = 0.1  # how often a rank waiting for the others looks at the store (and lets signals in)
-HEARTBEAT_S = 1.0
-LINGER_S = 5.0  # how long a failing rank 0 that hosts the store keeps it up for the others to read why they stop
-STALE_S = 30.0  # a rank whose heartbeat has not moved for this long is gone (SIGKILL, node down)
-
-
-class _Stopped(Exception):
-    """Another rank failed: this one stops writing and reports that it stopped."""
-
-
-class _Agreed(OutputError):
-    """An error every rank raises together, decided from a collective."""
-
-
-class _Answering:
-    """The job's store as the main thread uses it. Its host (rank 0 without a launcher agent, else the agent) may
-    vanish mid-write: a call that then fails stops this rank with that cause, as an agreed error, instead of a bare
-    network error escaping the CLI."""
-
-    def __init__(self, store, ranks: _Ranks):
-        self._store, self._ranks = store, ranks
-
-    def __getattr__(self, name: str):
-        method = getattr(self._store, name)
-
-        def answered(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError are RuntimeErrors
-                why = self._ranks.gone or f"the job's store stopped answering ({e}): rank 0 or the launcher is gone"
-                raise _Agreed(f"{why}; every rank stopped and nothing was kept.") from e
-
-        return answered
-
-
-class _Ranks:
-    """This rank's part in a distributed write: waits that poll the store, a stop flag, heartbeats, the bar.
-
-    Store keys live under a prefix that is the same on every rank (the job's restart count and how many writes this
-    process has run), so two writes in one job never share one.
-    """
-
-    writes = 0
-
-    def __init__(self, group):
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.host = socket.gethostname()
-        store = dist.distributed_c10d._get_default_store()
-        try:
-            self.watch_store = store.clone()  # its own connection: heartbeats never queue behind the main thread
-        except (AttributeError, RuntimeError, NotImplementedError):
-            self.watch_store = store
-        self.store = _Answering(store, self)
-        _Ranks.writes += 1
-        self.prefix = f"reshard-write/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_Ranks.writes}/"
-        self.stop = threading.Event()  # some rank failed: stop writing at the next copied block
-        self.gone: str | None = None  # some rank left without reporting: no collective can complete
-        self.watch_peers = True
-        self.bar = None
-        self._done = threading.Event()
-        self._beats: dict[int, tuple[int, float]] = {}
-        self.stale: set[int] = set()  # ranks rank 0 found without heartbeats
-        self._thread = threading.Thread(target=self._watch, name="reshard-ranks", daemon=True)
-
-    def key(self, name: str) -> str:
-        return self.prefix + name
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join(5)
-        self.watch_store = None  # a clone's connection closes now, not at interpreter exit
-
-    def _watch(self) -> None:
-        store, last_beat, last_check = self.watch_store, 0.0, time.monotonic()
-        while not self._done.wait(POLL_S):
-            try:
-                now = time.monotonic()
-                if now - last_beat >= HEARTBEAT_S:
-                    store.add(self.key(f"alive/{self.rank}"), 1)
-                    last_beat = now
-                if store.check([self.key("stop")]):
-                    self.stop.set()
-                if self.gone is None and store.check([self.key("gone")]):
-                    self.gone = store.get(self.key("gone")).decode()
-                    self.stop.set()
-                bar = self.bar
-                if bar is not None:
-                    bar.update(store.add(self.key("bytes"), 0) - bar.n)
-                if self.watch_peers and now - last_check >= 2 * HEARTBEAT_S:
-                    self._check_heartbeats(store, now)
-                    last_check = now
-            except Exception as e:  # noqa: BLE001  the store went away with rank 0 or the launcher
-                if not self._done.is_set():
-                    self.gone = self.gone or f"the job's store stopped answering ({e}): rank 0 or the launcher is gone"
-                    self.stop.set()
-                return
-
-    def _check_heartbeats(self, store, now: float) -> None:
-        """Rank 0 watches every rank, the others rank 0."""
-        for r in (range(1, self.world) if self.rank == 0 else (0,)):
-            beat = store.add(self.key(f"alive/{r}"), 0)
-            seen = self._beats.get(r)
-            if seen is None or seen[0] != beat:
-                self._beats[r] = (beat, now)
-            elif now - seen[1] > STALE_S:
-                self.stale.add(r)
-                why = f"rank {r} stopped responding {STALE_S:.0f} s ago (killed, or its node is down)"
-                self.announce("gone", why, store=store)
-                self.gone = self.gone or why
-
-    def announce(self, name: str, message: str, *, store=None) -> None:
-        """Set the flag `name` (stop, gone, outcome) to `message`, unless another rank set it first."""
-        store = store or self.store
-        if store.add(self.key(name + "#"), 1) == 1:
-            store.set(self.key(name), message)
-
-    def leave(self, why: str) -> None:
-        """Best effort, on the way out: tell the others this rank will not come back (the store may be gone)."""
-        try:
-            self.announce("gone", why)
-        except Exception:  # noqa: BLE001
-            pass
-
-    def depart(self, *, interrupted: bool) -> None:
-        """Best effort, on the way out of a failed write: count this rank out. Without a launcher agent rank 0's
-        process hosts the store, so a failing rank 0 keeps it up (LINGER_S at most) until every rank still alive
-        has left: none then misses the flag that says why it stops."""
-        try:
-            self.store.add(self.key("left"), 1)
-            hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            if self.rank != 0 or not hosts_store or interrupted:  # a signal stops every rank: leave promptly
-                return
-            deadline = time.monotonic() + LINGER_S
-            while (self.store.add(self.key("left"), 0) < self.world - len(self.stale)
-                   and time.monotonic() < deadline):
-                time.sleep(POLL_S)
-        except Exception:  # noqa: BLE001
-            pass
-
-    def _arrive(self, step: str) -> None:
-        """Wait, polling, until every rank reached `step`; raise at once if a rank is gone."""
-        key = self.key(f"arrived/{step}")
-        self.store.add(key, 1)
-        while self.store.add(key, 0) < self.world:
-            if self.gone:
-                raise _Agreed(f"{self.gone}; every rank stopped and nothing was kept.")
-            time.sleep(POLL_S)
-
-    def exchange(self, step: str, value) -> list:
-        """Every rank's `value`, once every rank is there (all_gather_object on the gloo group)."""
-        self._arrive(step)
-        values: list = [None] * self.world
-        try:
-            self.dist.all_gather_object(values, value, group=self.group)
-        except RuntimeError as e:
-            raise _Agreed(f"a rank left during the {step} exchange ({e}); every rank stopped and nothing was "
-                          "kept.") from e
-        return values
-
-    def gather_to_0(self, value) -> list | None:
-        """Every rank's `value` on rank 0 (gather_object on the gloo group); right after an exchange."""
-        values = [None] * self.world if self.rank == 0 else None
-        try:
-            self.dist.gather_object(value, values, group=self.group, group_dst=0)
-        except RuntimeError as e:
-            raise _Agreed(f"a rank left while the file entries were gathered ({e}); every rank stopped and nothing "
-                          "was kept.") from e
-        return values
-
-    def wait_for(self, name: str, *, timeout: float | None = None) -> str | None:
-        """The flag `name` once set (polling), None after `timeout`; raise if a rank is gone first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.store.check([self.key(name)]):
-            if self.gone:
-                raise _Agreed(f"{self.gone}; every rank stopped and nothing was kept.")
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            time.sleep(POLL_S)
-        return self.store.get(self.key(name)).decode()
-
-
-class _StoreProgress:
-    """A rank's byte counter: adds to the job's counter every REPORT_EVERY_S (rank 0 shows it), and stops the copy
-    when another rank failed."""
-
-    def __init__(self, ranks: _Ranks):
-        self.ranks, self.pending, self.last = ranks, 0, time.monotonic()
-
-    def update(self, nbytes: int) -> None:
-        if self.ranks.stop.is_set():
-            raise _Stopped()
-        self.pending += nbytes
-        if time.monotonic() - self.last >= REPORT_EVERY_S:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            self.ranks.store.add(self.ranks.key("bytes"), self.pending)
-            self.pending = 0
-        self.last = time.monotonic()
-
-
-
-
-def _failed(views: list, what: str) -> _Agreed | None:
-    """The error every rank raises when any rank's view holds a failure (`None` entries are fine)."""
-    return agreed_failure(views, what, _Agreed)
+from .workers import assign_shares
 
 
 def use_distributed(distributed: bool | None, workers: int | None, command: str) -> bool:
@@ -260,48 +49,100 @@ def use_distributed(distributed: bool | None, workers: int | None, command: str)
     return bool(distributed)
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """The job's ranks by node, nodes numbered in the order of their lowest rank.
+
+    Attributes:
+        ranks: each node's global ranks, ascending.
+        hosts: each node's host name, for messages.
+    """
+
+    ranks: tuple[tuple[int, ...], ...]
+    hosts: tuple[str, ...]
+
+    @classmethod
+    def from_views(cls, views: list[tuple[str, str]]) -> "Nodes":
+        """From every rank's `(node key, host)`, in rank order."""
+        keys: dict[str, list[int]] = {}
+        for rank, (key, _) in enumerate(views):
+            keys.setdefault(key, []).append(rank)
+        groups = sorted(keys.values())
+        return cls(tuple(tuple(g) for g in groups), tuple(views[g[0]][1] for g in groups))
+
+    def of(self, rank: int) -> int:
+        return next(n for n, ranks in enumerate(self.ranks) if rank in ranks)
+
+    def name(self, node: int) -> str:
+        return f"node {node} ({self.hosts[node]}, ranks {RankSpans.of(self.ranks[node])})"
+
+
+def node_key() -> tuple[str, str]:
+    """This process's `(node key, host)`: torchrun's agent number (`GROUP_RANK`) tells simulated or same-named
+    nodes apart; without it, the host name."""
+    host = socket.gethostname()
+    group = os.environ.get("GROUP_RANK")
+    return (f"agent {group}" if group is not None else f"host {host}"), host
+
+
 def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool | None = None,
-                      command: str = "write"):
+                      command: str = "write", node_local: bool = False):
     """Run an output job as one rank of a distributed job: every rank of the job calls this with the same arguments.
 
     Args:
         read_job: reads SRC on this rank's node and builds the job (`reshard.write.output.OutputJob`): `() -> job`;
             its errors are agreed like any other rank failure.
-        out: the output folder, on a file system every rank sees at the same path.
+        out: the output folder: on a file system every rank sees at the same path, or, `node_local`, on each node's
+            own disk at the same path.
         overwrite, progress: as for `reshard.write.output.write_output` (the bar is shown on rank 0 only).
         command: `write` or `merge`, for messages.
+        node_local: each node writes into its own `out` the files its ranks load (`job.for_node`).
 
     Returns:
-        What the job's `finish` returns on rank 0 (a write's manifest document), None on the other ranks.
+        What the job's `finish` returns on rank 0 (a write's manifest), None on the other ranks.
 
     Raises:
         ReshardError: on every rank together, naming the failing ranks and their causes (a failure that is the same
-            on every rank, such as an impossible mesh, is raised as it is). Nothing is kept.
+            on every rank, such as an impossible mesh, is raised as it is). Nothing is kept, on any node.
         KeyboardInterrupt: Ctrl-C or SIGTERM (torchrun stopping the job); this rank removed what it could.
     """
     with sigterm_as_interrupt():
         group, _ = gloo_group(command)
-        with _Ranks(group) as ranks:
-            return _Rank(ranks, Path(out).resolve(), overwrite, progress).run(read_job)
+        with Ranks(group) as ranks:
+            return _Rank(ranks, Path(out).resolve(), overwrite, progress, node_local).run(read_job)
 
 
 class _Rank:
-    """One rank's run of a distributed job, step by step: start (read, plan, claim), write the share, finish."""
+    """One rank's run of a distributed job, step by step: nodes, start (read, plan, claim), write the share, finish.
 
-    def __init__(self, ranks: _Ranks, out: Path, overwrite: bool, progress):
+    Its `team` are the ranks writing into one folder with it (every rank, or its node's), led by the lowest, which
+    claims the folder and completes it.
+    """
+
+    def __init__(self, ranks: Ranks, out: Path, overwrite: bool, progress, node_local: bool):
         self.ranks, self.out, self.overwrite, self.progress = ranks, out, overwrite, progress
+        self.node_local = node_local
         self.lock = contextlib.ExitStack()
-        self.stage = None  # rank 0's claimed OUT
+        self.stage = None  # the claimed OUT, on the rank that leads the team
         self.tmp: Path | None = None
         self.total = 0  # the bytes the output needs, for a full disk's message
         self.handed_over = self.agreed = False
+        self.nodes: Nodes | None = None
+        self.team: tuple[int, ...] = ()
+
+    @property
+    def leads(self) -> bool:
+        return self.ranks.rank == self.team[0]
 
     def run(self, read_job):
         ranks = self.ranks
         try:
+            self._meet()
             job, start = self._start(read_job)
             entries, source_crcs = self._write_share(job, start)
-            self.handed_over = True  # from here only rank 0 touches the temporary folder
+            self.handed_over = True  # from here only the team's leader touches the temporary folder
+            if self.node_local:
+                return self._finish_nodes(job, entries, source_crcs)
             if ranks.rank != 0:
                 return self._wait_for_outcome()
             return self._finish(job, entries, source_crcs)
@@ -314,17 +155,24 @@ class _Rank:
             if bar is not None:
                 bar.close()
 
-    # ---- 1. every rank reads its own node's SRC and builds the job; rank 0 also claims OUT -----------------------
+    # ---- 0. which node each rank is on ------------------------------------------------------------------------
+
+    def _meet(self) -> None:
+        self.nodes = Nodes.from_views(self.ranks.exchange("nodes", node_key()))
+        self.team = (self.nodes.ranks[self.nodes.of(self.ranks.rank)] if self.node_local else
+                     tuple(range(self.ranks.world)))
+
+    # ---- 1. every rank reads its own node's SRC and builds the job; each team's leader also claims OUT ----------
 
     def _start(self, read_job):
         ranks, local_error = self.ranks, None
         identity = job = start = None
-        claiming = False
         try:
             job = read_job()
             identity = job.identity(self.out, self.overwrite)
-            if ranks.rank == 0:
-                claiming = True
+            if self.node_local:
+                job = job.for_node(RankSpans.of(self.team), ranks.world, len(self.nodes.ranks))
+            if self.leads:
                 start = self._claim(job)
         except Exception as e:  # noqa: BLE001  agreed below: no rank fails alone
             local_error = e
@@ -334,72 +182,83 @@ class _Rank:
         if local_error is not None:
             problem = (str(local_error) if isinstance(local_error, ReshardError) else
                        f"{type(local_error).__name__}: {local_error}")
-        views = ranks.exchange("start", (problem, identity, start, claiming))
+        views = ranks.exchange("start", (problem, identity, start, self.leads))
         self._agree_to_start(views, local_error)
-        start = views[0][2]
+        start = views[self.team[0]][2]
         self.tmp, self.total = Path(start["tmp"]), start["total"]
+        if ranks.rank == 0:
+            ranks.bar = progress_bar(sum(v[2]["bytes"] for v in views if v[3]), self.progress, job.command)
         return job, start
 
     def _claim(self, job) -> dict:
-        """Rank 0: OUT checked, locked and claimed, the temporary folder created; what the others need of it."""
+        """The team's leader: OUT checked, locked and claimed, the temporary folder created; what the team needs."""
         self.stage = job.staged(self.out, self.overwrite)
         self.out = self.stage.out
         self.lock.enter_context(self.stage.locked())
         self.stage.claim(job.needed_bytes())
         self.stage.tmp.mkdir()
         self.tmp = self.stage.tmp
-        return {"tmp": str(self.tmp), "host": self.ranks.host, "total": self.stage.total, "sizes": job.unit_sizes}
+        return {"tmp": str(self.tmp), "host": self.ranks.host, "total": self.stage.total, "sizes": job.unit_sizes,
+                "bytes": sum(job.unit_sizes[u] for u in job.units)}
 
     def _agree_to_start(self, views: list, local_error: BaseException | None) -> None:
         problems = [p for p, _, _, _ in views]
         if local_error is not None and len(set(problems)) == 1:
             self.agreed = True
             raise local_error  # the same on every rank (an impossible mesh, the same bad SRC everywhere): as it is
-        if problems[0] is not None and views[0][3] and not any(problems[1:]):
-            self.agreed = True  # about OUT, which only rank 0 checks (it exists, is locked, the disk is too small)
-            raise local_error if self.ranks.rank == 0 else _Agreed(problems[0])
+        leaders = [r for r, view in enumerate(views) if view[3]]
+        if any(problems) and all(problems[r] is None for r in range(len(views)) if r not in leaders):
+            # about OUT, which only the leaders check (it exists, is locked, the disk is too small)
+            self.agreed = True
+            if not self.node_local:
+                raise local_error if self.ranks.rank == 0 else Agreed(problems[0])
+            raise Agreed("; ".join(f"{self.nodes.name(self.nodes.of(r))}: {problems[r]}"
+                                   for r in leaders if problems[r]))
         reference = views[0][1]
         for r, (_, other, _, _) in enumerate(views):
             if other is not None and reference is not None and other != reference and not problems[r]:
                 differs = ", ".join(k for k in reference if reference[k] != other[k])
                 problems[r] = (f"its {differs} differ from rank 0's: every rank needs the same command line and the "
                                "same checkpoint at the same path")
-        if (failure := _failed(problems, "cannot write")) is not None:
+        if (failure := agreed(problems, "cannot write")) is not None:
             self.agreed = True
             raise failure
 
-    # ---- 2. every rank writes its share into the shared temporary folder ----------------------------------------
+    # ---- 2. every rank writes its share into its team's temporary folder ----------------------------------------
 
     def _write_share(self, job, start: dict) -> tuple[list[dict], SourceCrcs | None]:
-        """Write this rank's share; on rank 0, every rank's file entries in unit order and source CRC-32s."""
+        """Write this rank's share; on the team's leader, the team's file entries in unit order and source CRC-32s."""
         ranks = self.ranks
-        share = assign_shares(start["sizes"], ranks.world)[ranks.rank]
-        if ranks.rank == 0:
-            ranks.bar = progress_bar(sum(start["sizes"]), self.progress, job.command)
+        share = assign_shares(start["sizes"], len(self.team), job.units)[self.team.index(ranks.rank)]
         pairs, result, source_crcs = [], None, SourceCrcs(job.index)
         try:
             if not self.tmp.is_dir():
                 raise OutputError(f"{self.tmp}, created by rank 0 on {start['host']}, is not visible on {ranks.host}: "
-                                  "OUT must be on a file system every node shares, at the same path")
-            counter = _StoreProgress(ranks)
+                                  "OUT must be on a file system every node shares, at the same path (or pass "
+                                  "--node-local to give each node its own copy)")
+            counter = StoreProgress(ranks)
             pairs = job.write_units(self.tmp, share, progress=counter, fsync=True, source_crcs=source_crcs)
             counter.flush()
-        except _Stopped:
+        except Stopped:
             result = None  # another rank failed and says why
         except Exception as e:  # noqa: BLE001
             result = self._share_failure(e)
             ranks.announce("stop", result)
         views = ranks.exchange("written", result)
-        if (failure := _failed(views, "failed while writing")) is not None:
+        if (failure := agreed(views, "failed while writing")) is not None:
             self.agreed = True
             raise failure
         if ranks.stop.is_set():  # a rank asked to stop but reported no failure: never rename a partial folder
             self.agreed = True
-            raise _Agreed("the write was stopped on some rank; nothing was kept.")
-        gathered = ranks.gather_to_0((pairs, source_crcs.report()))
-        if gathered is None:
+            raise Agreed("the write was stopped on some rank; nothing was kept.")
+        mine = (pairs, source_crcs.report())
+        if self.node_local:  # every leader needs its own node's entries: each rank's go to every rank, then filtered
+            gathered = [view for r, view in enumerate(ranks.exchange("entries", mine)) if r in self.team]
+            if not self.leads:
+                return [], None
+        elif (gathered := ranks.gather_to_0(mine)) is None:
             return [], None
-        checker = SourceCrcs(job.index)  # every rank's ranges, this one's among them: rank 0 checks once
+        checker = SourceCrcs(job.index)  # every writer's ranges, this one's among them: the leader checks once
         for _, report in gathered:
             checker.add_report(report)
         return in_unit_order([pair for share, _ in gathered for pair in share]), checker
@@ -413,7 +272,7 @@ class _Rank:
             return f"{host}: {type(e).__name__}: {e}"
         return f"{host}: {e}"
 
-    # ---- 3. rank 0 completes the folder and swaps it in; the others wait for its outcome -------------------------
+    # ---- 3. shared: rank 0 completes the folder and swaps it in; the others wait for its outcome -----------------
 
     def _wait_for_outcome(self) -> None:
         ranks = self.ranks
@@ -421,14 +280,13 @@ class _Rank:
         ranks.store.add(ranks.key("acknowledged"), 1)
         if outcome:
             self.agreed = True
-            raise _Agreed(f"rank 0 could not complete {self.out}: {outcome}")
+            raise Agreed(f"rank 0 could not complete {self.out}: {outcome}")
         return None
 
     def _finish(self, job, entries: list[dict], source_crcs: SourceCrcs):
         ranks = self.ranks
         ranks.watch_peers = False  # the others now only wait for the outcome, then leave
-        if ranks.bar is not None:
-            ranks.bar.update(ranks.store.add(ranks.key("bytes"), 0) - ranks.bar.n)  # every rank has flushed its count
+        self._show_all_bytes()
         try:
             # rank 0 writes the rest (a write's extras files, the manifest)
             result = job.finish(self.tmp, entries, self.out, source_crcs)
@@ -436,10 +294,7 @@ class _Rank:
             self.stage.complete()
         except BaseException as e:
             self.stage.discard(interrupted=isinstance(e, KeyboardInterrupt))
-            reason = (str(self.stage.error(e)) if isinstance(e, OSError) else
-                      "it was interrupted" if isinstance(e, KeyboardInterrupt) else
-                      str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}")
-            ranks.announce("outcome", reason)
+            ranks.announce("outcome", self._reason(e))
             self.agreed = True
             if isinstance(e, OSError):
                 raise self.stage.error(e) from e
@@ -451,16 +306,60 @@ class _Rank:
             time.sleep(POLL_S)
         return result
 
+    def _show_all_bytes(self) -> None:
+        bar = self.ranks.bar
+        if bar is not None:
+            bar.update(self.ranks.store.add(self.ranks.key("bytes"), 0) - bar.n)  # every rank has flushed its count
+
+    def _reason(self, e: BaseException) -> str:
+        return (str(self.stage.error(e)) if isinstance(e, OSError) else
+                "it was interrupted" if isinstance(e, KeyboardInterrupt) else
+                str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}")
+
+    # ---- 3. node-local: every leader completes its folder, all say they are ready, then all swap them in ---------
+
+    def _finish_nodes(self, job, entries: list[dict], source_crcs: SourceCrcs | None):
+        ranks, result, problem = self.ranks, None, None
+        self._show_all_bytes()
+        if self.leads:
+            try:
+                result = job.finish(self.tmp, entries, self.out, source_crcs)
+                source_crcs.check()  # a damaged source file is refused before any node puts its folder in place
+            except Exception as e:  # noqa: BLE001  agreed below
+                problem = self._reason(e)
+        self._agree_nodes("prepared", problem, "could not complete its copy")
+        if self.leads:
+            try:
+                self.stage.complete()
+            except OSError as e:
+                problem = self._reason(e)
+        self._agree_nodes("done", problem, "could not put its copy in place (the nodes before it did: run the "
+                                           "command again with --overwrite)")
+        return result if ranks.rank == 0 else None
+
+    def _agree_nodes(self, step: str, problem: str | None, what: str) -> None:
+        views = self.ranks.exchange(step, problem)
+        failed = [(r, p) for r, p in enumerate(views) if p]
+        if not failed:
+            return
+        if self.leads and step == "prepared":
+            self.stage.discard()
+        self.agreed = True
+        text = "; ".join(f"{self.nodes.name(self.nodes.of(r))} {what}: {p}" for r, p in failed)
+        raise Agreed(f"{text}. Every node stopped; no node kept a partial folder.")
+
     def _clean_up(self, e: BaseException) -> None:
         ranks, interrupted = self.ranks, isinstance(e, KeyboardInterrupt)
-        if not self.handed_over and self.tmp is not None:
+        if self.stage is not None and (not self.handed_over or self.node_local) and not self._completed():
+            self.stage.discard(interrupted=interrupted)
+        elif not self.handed_over and self.tmp is not None and self.stage is None:
             # interrupted: removed for a moment only, the rest by the next write
-            if self.stage is not None:
-                self.stage.discard(interrupted=interrupted)
-            else:
-                remove_temporary(self.tmp, self.out, interrupted=interrupted)  # several ranks may try: harmless
+            remove_temporary(self.tmp, self.out, interrupted=interrupted)  # several ranks may try: harmless
         if not self.agreed:
             why = (f"rank {ranks.rank} on {ranks.host} was interrupted" if interrupted else
                    f"rank {ranks.rank} on {ranks.host} stopped ({type(e).__name__}: {e})")
             ranks.leave(why)
         ranks.depart(interrupted=interrupted)
+
+    def _completed(self) -> bool:
+        return self.stage is not None and not self.stage.tmp.exists()

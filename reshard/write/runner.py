@@ -6,6 +6,7 @@ decided here, from the flags and the launcher's environment, the same way for bo
 
 from __future__ import annotations
 
+from ..errors import UsageError
 from .distributed import use_distributed, write_distributed
 from .output import write_output
 from .staged import removes_made_parents
@@ -13,7 +14,8 @@ from .staged import removes_made_parents
 
 @removes_made_parents("out")
 def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: bool | None = None,
-            workers: int | None = 1, distributed: bool | None = None):
+            workers: int | None = 1, distributed: bool | None = None, node_local: bool = False,
+            ranks_given: bool = False):
     """Build the job (`read_job()`) and run it into the folder `out`.
 
     Args:
@@ -22,21 +24,35 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
         command: `write` or `merge`, for messages.
         overwrite, progress, workers: as for `reshard.write.output.write_output`.
         distributed: run as one rank of a torchrun job (None: when the launcher's environment says so).
+        node_local: in a torchrun job, each node writes its own copy (`reshard.write.distributed`).
+        ranks_given: the job holds the files of some ranks only (`--ranks`), which a torchrun job decides itself.
 
     Returns:
         (the job, what its `finish` returned), or (None, None) on the ranks other than 0 of a distributed run.
 
     Raises:
-        UsageError: `workers` above 1 in a distributed run (refused before anything is read).
+        UsageError: `workers` above 1 in a distributed run; `--ranks` in one, or `--node-local` outside one (refused
+            before anything is read).
     """
-    if use_distributed(distributed, workers, command):
+    distributed = use_distributed(distributed, workers, command)
+    if node_local and not distributed:
+        alone = (" or, on one node without torchrun, write that node's files with `reshard write SRC OUT ... --ranks "
+                 "FIRST-LAST`" if command == "write" else "")
+        raise UsageError(f"--node-local is for a torchrun {command} over several nodes, each with its own disk, but "
+                         f"this one runs in one process. Launch it with `torchrun --nnodes N ... -m reshard {command} "
+                         f"... --node-local`{alone}. Nothing was written.")
+    if distributed:
+        if ranks_given:
+            raise UsageError("--ranks writes one node's copy in one process; in a torchrun write pass --node-local "
+                             "instead (each node then writes its own ranks' files). Nothing was written.")
         jobs: list = []
 
         def build():
             jobs.append(read_job())
             return jobs[-1]
 
-        result = write_distributed(build, out, overwrite=overwrite, progress=progress, command=command)
+        result = write_distributed(build, out, overwrite=overwrite, progress=progress, command=command,
+                                   node_local=node_local)
         return (jobs[-1], result) if result is not None else (None, None)
     job = read_job()
     return job, write_output(job, out, overwrite=overwrite, progress=progress, workers=workers)

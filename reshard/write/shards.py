@@ -11,10 +11,11 @@ manifest last, and the staged output (`reshard.write.staged`) swaps the folder i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
+from ..errors import UsageError
 from ..manifest import MANIFEST_NAME, Manifest, build_manifest, dcp_metadata, extra_file_name, shard_file_name
 from ..plan.dtypes import DTYPE_BITS
 from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_key, coordinate_sizes, split_parts
@@ -144,6 +145,34 @@ class WriteJob:
     def units(self) -> list[int]:
         mesh = self.plan.mesh
         return list(range(mesh.num_coords)) if self.holds is None else mesh.coords_of(self.holds)
+
+    def for_ranks(self, spans) -> "WriteJob":
+        """The job of one node's copy: the files ranks `spans` load (`reshard write --ranks`).
+
+        Raises:
+            UsageError: a rank outside the mesh (nothing was written).
+        """
+        world = self.plan.mesh.world_size
+        if (top := max(last for _, last in spans)) >= world:
+            raise UsageError(f"--ranks names rank {top}, but the mesh has {world} ranks (0-{world - 1}); pass ranks of "
+                             "that mesh. Nothing was written.")
+        return replace(self, holds=tuple(tuple(span) for span in spans))
+
+    def for_node(self, spans, world: int, nodes: int) -> "WriteJob":
+        """The job of the node whose processes are ranks `spans` of a torchrun job of `world` processes on `nodes`
+        nodes (`reshard write --node-local`): each process is the rank of the mesh it will load as.
+
+        Raises:
+            UsageError: the mesh's ranks are not the job's processes (the same on every rank).
+        """
+        mesh = self.plan.mesh
+        if mesh.world_size != world:
+            raise UsageError(f"--node-local writes each node the files of its own processes' ranks, so the mesh needs "
+                             f"one rank per process: {mesh.flags()} has {mesh.world_size} ranks, but this "
+                             f"torchrun job runs {world} processes on {nodes} node{'s' if nodes != 1 else ''}. Launch "
+                             f"--nnodes x --nproc-per-node = {mesh.world_size} processes, the job that will train on "
+                             "this mesh. Nothing was written.")
+        return self.for_ranks(spans)
 
     @property
     def holds_extras(self) -> bool:

@@ -5,7 +5,9 @@ CASES_JSON: a list of {"argv": [...], "fault": "..."}: the arguments after `resh
 process's RANK (one SRC per node), and an optional fault. Each command's exit code and stderr go to
 REPORT_DIR/case{i}-rank{r}.json; the script goes on with the next command after a failure (a distributed write that
 fails, fails on every rank together, so the ranks stay in step) and exits 0 once all ran, but exits at once with the
-code of a command interrupted by a signal (130, 143).
+code of a command interrupted by a signal (130, 143), or of a failed one whose case has "exit": true (as a lone
+`torchrun -m reshard` would: torchrun's agent then stops at once instead of waiting for the other nodes at its exit
+barrier).
 
 Faults hit the process writing coordinate C, when it starts that coordinate's first file (for a merge: the process
 writing its output file C + 1, `model-0000{C+1}-of-...`, and only enospc):
@@ -13,7 +15,7 @@ writing its output file C + 1, `model-0000{C+1}-of-...`, and only enospc):
   kill:C[:MARKER]      SIGKILL itself (after writing the time to MARKER)
   sleep:C:MARKER       write the file, create MARKER, then sleep 120 s (the test stops the write meanwhile)
 
-RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.distributed.STALE_S).
+RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.ranks.STALE_S).
 
 The patch is made at import, outside the main guard: `--workers` processes are spawned and import this script as
 `__mp_main__`, so they get it too (the fault is passed to them in RESHARD_TEST_FAULT).
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import reshard.write.distributed
+import reshard.write.ranks
 import reshard.write.merge
 import reshard.write.shards
 
@@ -87,7 +90,7 @@ reshard.write.shards.write_rank_file = _faulty_write_file
 reshard.write.merge.write_safetensors = _faulty_merge_file
 reshard.write.distributed.progress_bar = _counted_progress_bar
 if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than in production
-    reshard.write.distributed.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
+    reshard.write.ranks.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
 
 
 def main():
@@ -103,18 +106,20 @@ def main():
         os.environ["RESHARD_TEST_FAULT"] = case.get("fault", "")
         sys.argv = ["reshard", *(arg.replace("{rank}", rank) for arg in case["argv"])]
         bars.clear()
-        err = io.StringIO()
+        err, out = io.StringIO(), io.StringIO()
         start = time.monotonic()
         try:
-            with contextlib.redirect_stderr(err):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
                 reshard_main()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         sys.stderr.write(err.getvalue())
+        sys.stdout.write(out.getvalue())
         (report_dir / f"case{i}-rank{rank}.json").write_text(json.dumps(
-            {"exit": code, "stderr": err.getvalue(), "bars": list(bars), "seconds": time.monotonic() - start}))
-        if code > 128:  # interrupted by a signal: stop here, as the process would
+            {"exit": code, "stderr": err.getvalue(), "stdout": out.getvalue(), "bars": list(bars),
+             "seconds": time.monotonic() - start}))
+        if code > 128 or (code and case.get("exit")):  # a signal, or a case marked "exit": stop as the process would
             sys.exit(code)
 
 

@@ -1,0 +1,257 @@
+"""Many nodes, each with its own disk: `write --node-local` under a 2-node torchrun, `write --ranks` in one process,
+`verify` of each node's copy, the 2x2 load from node-local copies, and the faults that must stop every rank.
+
+Each node is a torchrun agent in its own mount namespace with its own folder bound at one path (tests/nodes.py),
+so a node sees only its own copy; agents meet with static rendezvous on 127.0.0.1 (global rank = node * 2 + local
+rank). Every command runs as `python -m reshard` would (tests/ranks/write_cli.py), each under a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import rank_reports
+from nodes import Kill, read_only, run_nodes, tmpfs_disk
+from reshard.cli import cli
+from reshard.manifest import MANIFEST_NAME
+from test_loader import OWN_READER, assert_loaded_exactly
+
+pytestmark = pytest.mark.multirank
+
+NODES, NPROC = 2, 2
+MESHES = {"ep": ["--fsdp", "4", "--ep", "2"], "replicas": ["--fsdp", "2", "--dp-replicate", "2"]}
+
+
+@pytest.fixture
+def disks(tmp_path):
+    """`(mount_at, node_dirs, reports)`: the path every node writes (empty on the host), each node's own disk, and
+    a host folder for the ranks' reports."""
+    mount_at, reports = tmp_path / "disk", tmp_path / "reports"
+    node_dirs = [tmp_path / f"node{k}" for k in range(NODES)]
+    for folder in (mount_at, reports, *node_dirs):
+        folder.mkdir()
+    return mount_at, node_dirs, reports
+
+
+@pytest.fixture(scope="module")
+def source(tiny):
+    return tiny("qwen3_moe", experts=4)
+
+
+@pytest.fixture(scope="module")
+def shared(source, tmp_path_factory):
+    """Each mesh written the usual way, into one folder: what every node's copy must match byte for byte."""
+    root = tmp_path_factory.mktemp("shared")
+    for name, flags in MESHES.items():
+        result = CliRunner().invoke(cli, ["write", str(source), str(root / name), *flags, "-q"])
+        assert result.exit_code == 0, result.output
+    return root
+
+
+def run_cli(cases: list[dict], disks, tmp_path: Path, **kwargs):
+    """Run `cases` (see tests/ranks/write_cli.py) on every rank of the 2-node job; (result, reports by case)."""
+    mount_at, node_dirs, reports = disks
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    result = run_nodes("write_cli.py", cases_file, reports, nodes=NODES, nproc=NPROC, mount_at=mount_at,
+                       node_dirs=node_dirs, **kwargs)
+    found = {}
+    for i in range(len(cases)):
+        paths = [reports / f"case{i}-rank{r}.json" for r in range(NODES * NPROC)]
+        found[i] = [json.loads(p.read_text()) if p.exists() else None for p in paths]
+    return result, found
+
+
+def node_ranks(node: int) -> str:
+    return f"{node * NPROC}-{node * NPROC + NPROC - 1}"
+
+
+def expected_names(shared_folder: Path, node: int) -> set[str]:
+    """What `reshard files` lists for the node's ranks, plus the extras files on the node holding rank 0."""
+    listed = CliRunner().invoke(cli, ["files", str(shared_folder), "--ranks", node_ranks(node)])
+    assert listed.exit_code == 0, listed.output
+    names = set(listed.stdout.split())
+    if node == 0:
+        names |= {p.name for p in shared_folder.glob("extra-*.safetensors")}
+    return names
+
+
+def assert_node_copy(copy: Path, shared_folder: Path, node: int) -> int:
+    """The node's copy: exactly its ranks' files, each byte-identical to the shared write's, and a manifest that
+    records the ranks it holds; returns its bytes."""
+    names = {p.name for p in copy.iterdir()}
+    assert names == expected_names(shared_folder, node), (node, sorted(names))
+    for name in names - {MANIFEST_NAME}:
+        assert (copy / name).read_bytes() == (shared_folder / name).read_bytes(), (node, name)
+    first, last = (int(r) for r in node_ranks(node).split("-"))
+    assert json.loads((copy / MANIFEST_NAME).read_text())["holds"] == [[first, last]]
+    return sum(p.stat().st_size for p in copy.iterdir())
+
+
+def test_node_local_write_verify_and_load(source, shared, disks, tmp_path):
+    """One job writes each mesh node-local and verifies each node's copy; then a 2x2 load from those copies is exact
+    on every rank. A mesh that does not fit the job is refused on every rank with one message."""
+    mount_at, node_dirs, reports = disks
+    cases = []
+    for name, flags in MESHES.items():
+        cases.append({"argv": ["write", str(source), str(mount_at / name), *flags, "--node-local", "-q"]})
+        cases.append({"argv": ["verify", str(mount_at / name), "--against", str(source)]})
+    cases.append({"argv": ["write", str(source), str(mount_at / "too-big"), "--fsdp", "8", "--node-local", "-q"]})
+    result, found = run_cli(cases, disks, tmp_path, timeout=240)
+    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
+    for i, case in enumerate(cases[:-1]):
+        assert [g["exit"] for g in found[i]] == [0] * 4, (case["argv"], [g["stderr"] for g in found[i]])
+
+    whole = {name: sum(p.stat().st_size for p in (shared / name).iterdir()) for name in MESHES}
+    for node in range(NODES):
+        for j, name in enumerate(MESHES):
+            written = assert_node_copy(node_dirs[node] / name, shared / name, node)
+            print(f"node {node}, {name}: {written} of {whole[name]} bytes of the shared write")
+            verified = found[2 * j + 1][node * NPROC]["stdout"]
+            assert f"OK {mount_at / name} (a node's copy: the files of ranks {node_ranks(node)})" in verified, verified
+    replicas = [sum(p.stat().st_size for p in (node_dirs[k] / "replicas").iterdir()) for k in range(NODES)]
+    assert replicas[0] == replicas[1]  # each node holds both coordinates of its replica
+
+    refused = found[len(cases) - 1]
+    assert {g["exit"] for g in refused} == {2}, [g["stderr"] for g in refused]
+    assert len({g["stderr"].splitlines()[-1] for g in refused}) == 1
+    assert "--fsdp 8 has 8 ranks, but this torchrun job runs 4 processes on 2 nodes" in refused[0]["stderr"]
+    assert not any((d / "too-big").exists() for d in node_dirs)
+
+    load = run_nodes("load_reshard.py", "reshard", mount_at / "ep", source, reports, 4, 2, nodes=NODES, nproc=NPROC,
+                     mount_at=mount_at, node_dirs=node_dirs, timeout=240)
+    assert [n.returncode for n in load.nodes] == [0, 0], [n.stderr[-3000:] for n in load.nodes]
+    assert_loaded_exactly(rank_reports(reports, 4), ep=2, readers=OWN_READER)
+
+
+def test_write_ranks_in_one_process_is_the_node_copy(source, shared, tmp_path):
+    """`write --ranks` without torchrun writes the folder a node gets: the same files, byte for byte, the manifest
+    included (what `assert_node_copy` checks against the shared write)."""
+    out = tmp_path / "node1"
+    result = CliRunner().invoke(cli, ["write", str(source), str(out), *MESHES["ep"], "--ranks", "2-3", "-q"])
+    assert result.exit_code == 0, result.output
+    assert_node_copy(out, shared / "ep", 1)
+    checked = CliRunner().invoke(cli, ["verify", str(out), "--against", str(source)])
+    assert checked.exit_code == 0 and "(a node's copy: the files of ranks 2-3)" in checked.output, checked.output
+    refused = CliRunner().invoke(cli, ["verify", str(out), "--ranks", "0-1"])
+    assert refused.exit_code == 2 and "holding the files of ranks 2-3 only (rank 0 needs others)" in refused.output
+    outside = CliRunner().invoke(cli, ["write", str(source), str(tmp_path / "x"), *MESHES["ep"], "--ranks", "2-4"])
+    assert outside.exit_code == 2 and "--ranks names rank 4, but the mesh has 4 ranks" in outside.output
+    alone = CliRunner().invoke(cli, ["write", str(source), str(tmp_path / "y"), *MESHES["ep"], "--node-local"])
+    assert alone.exit_code == 2 and "--ranks FIRST-LAST" in alone.output, alone.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_verify_ranks_of_a_copy_staged_by_hand(shared, tmp_path):
+    """A node's files copied from a whole folder (`reshard files --ranks`): verify of the whole folder reports the
+    other node's files missing; `--ranks` checks just these, and catches one flipped byte among them."""
+    listed = CliRunner().invoke(cli, ["files", str(shared / "ep"), "--ranks", "2-3"]).stdout.split()
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for name in listed:
+        (staged / name).write_bytes((shared / "ep" / name).read_bytes())
+    whole = CliRunner().invoke(cli, ["verify", str(staged)])
+    assert whole.exit_code == 1 and "shard-00001-model-00001-of-00001.safetensors: missing" in whole.output
+    mine = CliRunner().invoke(cli, ["verify", str(staged), "--ranks", "2-3"])
+    assert mine.exit_code == 0 and "(a node's copy: the files of ranks 2-3)" in mine.output, mine.output
+    victim = staged / "shard-00004-model-00001-of-00001.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-7] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    damaged = CliRunner().invoke(cli, ["verify", str(staged), "--ranks", "2-3"])
+    assert damaged.exit_code == 1 and "shard-00004-model-00001-of-00001.safetensors: CRC-32 differs" in damaged.output
+
+
+def test_a_node_without_its_ranks_files_stops_every_rank(source, shared, disks, tmp_path):
+    """Both nodes given node 0's copy: node 1's ranks cannot load, and every rank raises the same LoadError, which
+    names node 1, its ranks and the commands that would give it its files."""
+    mount_at, node_dirs, reports = disks
+    result = CliRunner().invoke(cli, ["write", str(source), str(tmp_path / "copy0"), *MESHES["ep"], "--ranks", "0-1",
+                                      "-q"])
+    assert result.exit_code == 0, result.output
+    for d in node_dirs:
+        (d / "ep").mkdir()
+        for p in (tmp_path / "copy0").iterdir():
+            (d / "ep" / p.name).write_bytes(p.read_bytes())
+    load = run_nodes("load_reshard.py", "reshard", mount_at / "ep", source, reports, 4, 2, nodes=NODES, nproc=NPROC,
+                     mount_at=mount_at, node_dirs=node_dirs, timeout=120)
+    assert [n.returncode for n in load.nodes] != [0, 0]
+    errors = [report.get("error") for report in rank_reports(reports, 4)]
+    assert len(set(errors)) == 1, errors
+    assert "on node 1 (" in errors[0] and "holds the files of ranks 0-1 only" in errors[0], errors[0]
+    assert "--ranks 2-3" in errors[0] and "--node-local" in errors[0] and "reshard files" in errors[0], errors[0]
+    print(errors[0])
+
+
+def assert_nothing_on_any_node(node_dirs, name: str) -> None:
+    for d in node_dirs:
+        assert [p.name for p in d.iterdir() if name in p.name] == [], (d, sorted(p.name for p in d.iterdir()))
+
+
+def test_faults_stop_every_rank_and_leave_nothing(source, disks, tmp_path):
+    """A disk that fills mid-write on node 1 and an OUT node 1 cannot write: every rank stops with one message
+    within 60 s, and no node keeps a folder or a temporary."""
+    mount_at, node_dirs, reports = disks
+    ep = MESHES["ep"]
+    cases = [{"argv": ["write", str(source), str(mount_at / "full"), *ep, "--node-local", "-q"], "fault": "enospc:2"}]
+    result, found = run_cli(cases, disks, tmp_path, timeout=120)
+    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
+    full = found[0]
+    assert {g["exit"] for g in full} == {1} and len({g["stderr"] for g in full}) == 1, [g["stderr"] for g in full]
+    assert "no space left on the device" in full[0]["stderr"], full[0]["stderr"]
+    assert max(g["seconds"] for g in full) < 60
+    print(f"disk full on node 1: {max(g['seconds'] for g in full):.1f} s: {full[0]['stderr'].strip()}")
+    assert_nothing_on_any_node(node_dirs, "full")
+
+
+def test_an_out_a_node_cannot_write_stops_every_rank(source, disks, tmp_path):
+    mount_at, node_dirs, reports = disks
+    cases = [{"argv": ["write", str(source), str(mount_at / "ro"), *MESHES["ep"], "--node-local", "-q"]}]
+    result, found = run_cli(cases, disks, tmp_path, timeout=120, setup={1: read_only()})
+    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
+    refused = found[0]
+    assert {g["exit"] for g in refused} == {1} and len({g["stderr"] for g in refused}) == 1, refused
+    assert "node 1 (" in refused[0]["stderr"] and "Read-only file system" in refused[0]["stderr"], refused[0]
+    assert max(g["seconds"] for g in refused) < 60
+    print(f"read-only OUT on node 1: {max(g['seconds'] for g in refused):.1f} s: {refused[0]['stderr'].strip()}")
+    assert_nothing_on_any_node(node_dirs, "ro")
+
+
+def test_a_disk_too_small_on_one_node_is_refused_before_writing(source, disks, tmp_path):
+    mount_at, node_dirs, reports = disks
+    cases = [{"argv": ["write", str(source), str(mount_at / "small"), *MESHES["ep"], "--node-local", "-q"]}]
+    result, found = run_cli(cases, disks, tmp_path, timeout=120, setup={1: tmpfs_disk(64 * 1024)})
+    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
+    refused = found[0]
+    assert {g["exit"] for g in refused} == {1} and len({g["stderr"] for g in refused}) == 1, refused
+    assert "node 1 (" in refused[0]["stderr"] and "free, the output needs" in refused[0]["stderr"], refused[0]
+    print(f"small disk on node 1: {max(g['seconds'] for g in refused):.1f} s: {refused[0]['stderr'].strip()}")
+    assert_nothing_on_any_node(node_dirs, "small")
+
+
+def test_a_node_killed_mid_write_stops_the_others(source, disks, tmp_path):
+    """Node 1 killed (agent and workers) while it writes: node 0's ranks stop within 60 s with one message and
+    keep nothing; node 1's temporary folder, which no process was left to remove, goes with the next write, which
+    then succeeds."""
+    mount_at, node_dirs, reports = disks
+    out = mount_at / "killed"
+    cases = [{"argv": ["write", str(source), str(out), *MESHES["ep"], "--node-local", "-q"],
+              "fault": f"sleep:2:{mount_at / 'started'}", "exit": True}]  # as `python -m reshard` would
+    result, found = run_cli(cases, disks, tmp_path, timeout=150, kill=Kill(node=1, when_file="started"))
+    assert result.nodes[1].returncode == -9
+    survivors = found[0][:NPROC]
+    assert {g["exit"] for g in survivors} == {1} and len({g["stderr"] for g in survivors}) == 1, survivors
+    assert "stopped responding" in survivors[0]["stderr"] or "left" in survivors[0]["stderr"], survivors[0]
+    waited = result.kill_to_exit
+    assert waited < 60, waited
+    print(f"node 1 killed: node 0 stopped {waited:.1f} s later: {survivors[0]['stderr'].strip()}")
+    assert [p.name for p in node_dirs[0].iterdir() if p.name != "started"] == []
+    assert not (node_dirs[1] / "killed").exists()
+    again, found = run_cli([{"argv": ["write", str(source), str(out), *MESHES["ep"], "--node-local", "-q"]}], disks,
+                           tmp_path, timeout=150)
+    assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
+    assert sorted(p.name for p in node_dirs[1].iterdir() if p.name != "started") == ["killed"]
