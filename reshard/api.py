@@ -211,7 +211,8 @@ def list_files(out, ranks) -> FilesResult:
 
 def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout: str = "original",
                      overwrite: bool = False, progress: bool | None = None, extras_from=None,
-                     workers: int | None = 1, distributed: bool | None = False) -> MergeResult | None:
+                     workers: int | None = 1, distributed: bool | None = False,
+                     node_local: bool = False) -> MergeResult | None:
     """Merge a reshard folder or a saved distributed checkpoint into a standard HF checkpoint at `dest`: what
     `reshard merge` runs.
 
@@ -233,6 +234,9 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
         distributed: this process is one rank of a torchrun job and every rank calls this with the same arguments:
             each writes a share of the files into `dest`, on a file system they all share. None: when the launcher's
             environment says so. Not with `workers`.
+        node_local: in a torchrun job over several nodes, `source` is at this path on each node's own disk, each
+            holding some of the rank files (a node-local write, or a training save): node 0's ranks write `dest` on
+            node 0 (or a shared file system), reading the other nodes' files over the process group.
 
     Returns:
         A `MergeResult`, or None on the ranks other than 0 of a distributed merge.
@@ -256,13 +260,13 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     refuse_url_output(dest, "DEST")
     check_max_shard_size(max_shard_size)
 
-    def read_job():
+    def read_job(store=None):
         extras = None if extras_from is None else open_source(extras_from)
-        return merge_job(open_source(source, kinds=DISTRIBUTED), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
-                         layout=layout, extras_from=extras)
+        return merge_job(open_source(source, kinds=DISTRIBUTED, store=store),
+                         max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, layout=layout, extras_from=extras)
 
     job, _ = run_job(read_job, dest, command="merge", overwrite=overwrite, progress=progress, workers=workers,
-                     distributed=distributed)
+                     distributed=distributed, gather_from=source if node_local else None)
     if job is None:
         return None
     from .write.merge import left_out

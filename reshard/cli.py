@@ -311,9 +311,13 @@ def files_command(out, ranks, as_json):
 @click.option("--distributed/--no-distributed", default=None,
               help="Merge as one rank of a torchrun job, into a shared DEST. Default: on when RANK, LOCAL_RANK "
                    "and WORLD_SIZE > 1 are set.")
+@click.option("--node-local", is_flag=True,
+              help="In a multi-node torchrun: SRC's rank files lie on each node's own disk; node 0's ranks read "
+                   "them over the process group and write DEST.")
 @quiet_option
 @json_option
-def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, workers, distributed, quiet, as_json):
+def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, workers, distributed, node_local, quiet,
+                  as_json):
     """Merge SRC, a distributed checkpoint, into DEST, a standard Hugging Face checkpoint.
 
     SRC is a reshard folder (`reshard write`) or a folder saved by transformers'
@@ -324,17 +328,24 @@ def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, wor
     saves, mixed dtypes) is an error naming it, before anything is written. DEST appears only when complete.
     To resume on another mesh instead, `reshard write SRC OUT --fsdp F --ep E` takes the same SRC.
 
+    Without a shared file system, --node-local under the training job's multi-node torchrun merges the rank
+    files each node holds at SRC on its own disk (a `write --node-local` folder, or the save each node made):
+    node 0's ranks write DEST on node 0's disk (or a shared one), the other nodes serve their files to them over
+    the process group, and the CRC-32s a reshard folder records are checked as the bytes pass.
+
     \b
     Example:
       reshard merge ./ckpt-step1000 ./published            # original layout, 5GB files
       reshard verify ./published --against ./ckpt-step1000 # every tensor equal, byte for byte
       torchrun --nproc-per-node 8 -m reshard merge ./ckpt-step1000 ./published
+      torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+          -m reshard merge /nvme/ckpt /nvme/published --node-local
     """
     from .api import merge_checkpoint
 
     result = merge_checkpoint(src, dest, max_shard_size=max_shard_size, layout=layout, overwrite=overwrite,
                               progress=False if quiet else None, extras_from=extras_from, workers=workers,
-                              distributed=distributed)
+                              distributed=distributed, node_local=node_local)
     if result is not None:  # None: another rank of a distributed merge; rank 0 prints the summary
         _show(result, as_json)
 

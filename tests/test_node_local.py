@@ -255,3 +255,51 @@ def test_a_node_killed_mid_write_stops_the_others(source, disks, tmp_path):
                            tmp_path, timeout=150)
     assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
     assert sorted(p.name for p in node_dirs[1].iterdir() if p.name != "started") == ["killed"]
+
+
+# ---- merge across nodes --------------------------------------------------------------------------------------------
+
+def merged_here(folder: Path, dest: Path, *args: str) -> Path:
+    """`folder` merged in this process: the reference a merge across nodes must equal byte for byte."""
+    result = CliRunner().invoke(cli, ["merge", str(folder), str(dest), *args, "-q"])
+    assert result.exit_code == 0, result.output
+    return dest
+
+
+def assert_same_files(found: Path, reference: Path) -> None:
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in found.iterdir()) == names
+    for name in names:
+        assert (found / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_merge_across_nodes(source, shared, disks, tmp_path):
+    """The rank files on each node's own disk, merged by node 0's ranks with the other node's bytes sent over the
+    process group: a node-local write's copies (their manifests joined, CRC-32s checked) and a training save's
+    folders (config.json on node 0 only). Each DEST, on node 0 only, equals a merge of the same files gathered on one
+    machine, byte for byte."""
+    mount_at, node_dirs, reports = disks
+    saved = tmp_path / "saved"  # what save_pretrained(distributed_checkpoint=True) leaves: rank files and config
+    saved.mkdir()
+    for p in (shared / "ep").iterdir():
+        if p.name != MANIFEST_NAME:
+            (saved / p.name).write_bytes(p.read_bytes())
+    for node, d in enumerate(node_dirs):
+        (d / "saved").mkdir()
+        for name in expected_names(shared / "ep", node) - {MANIFEST_NAME}:
+            if node == 0 or name.startswith("shard-"):  # config.json only on node 0, as a training save leaves it
+                (d / "saved" / name).write_bytes((saved / name).read_bytes())
+    cases = [{"argv": ["write", str(source), str(mount_at / "ep"), *MESHES["ep"], "--node-local", "-q"]},
+             {"argv": ["merge", str(mount_at / "ep"), str(mount_at / "merged"), "--node-local",
+                       "--max-shard-size", "150KB", "-q"]},
+             {"argv": ["merge", str(mount_at / "saved"), str(mount_at / "merged-saved"), "--node-local", "-q"]}]
+    result, found = run_cli(cases, disks, tmp_path, timeout=240, env={"RESHARD_TEST_DUMP_S": "60"})
+    Path('/tmp/merge_dbg.txt').write_text('\n=====\n'.join(n.stderr for n in result.nodes))
+    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
+    for i, case in enumerate(cases):
+        assert [g["exit"] for g in found[i]] == [0] * 4, (case["argv"], [g["stderr"] for g in found[i]])
+    assert_same_files(node_dirs[0] / "merged", merged_here(shared / "ep", tmp_path / "ref", "--max-shard-size",
+                                                          "150KB"))
+    assert_same_files(node_dirs[0] / "merged-saved", merged_here(saved, tmp_path / "ref-saved"))
+    assert not (node_dirs[1] / "merged").exists() and not (node_dirs[1] / "merged-saved").exists()
+    print(f"merge across nodes: {found[1][0]['seconds']:.1f} s; from saved folders {found[2][0]['seconds']:.1f} s")

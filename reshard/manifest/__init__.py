@@ -12,7 +12,7 @@ The names below are the package's public ones: `from reshard.manifest import X` 
 """
 
 from .coverage import coverage_problem, coverage_problems, region_text
-from .document import build_manifest
+from .document import build_manifest, joined_copies
 from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of, placement_of
 from .format import (DCP_SHARDING_INFO_KEY, DCP_VERSION, DCP_VERSION_KEY, EXTRA_FILE, MANIFEST_FORMAT, MANIFEST_NAME,
                      MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, dcp_metadata, extra_file_name, shard_file_name)
@@ -25,6 +25,7 @@ __all__ = [
     "Chunk", "CoordEntry", "DCP_SHARDING_INFO_KEY", "DCP_VERSION", "DCP_VERSION_KEY", "EXTRA_FILE", "ExtrasEntry",
     "FileEntry", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "Manifest", "OnDisk",
     "SAVED_OFFSETS_KEY", "SHARD_FILE", "SOURCE_LAYOUT_VERSION", "SourceRecord", "TensorInfo", "build_manifest",
+    "joined_copies",
     "check_member", "chunk_of", "claimed_names", "copied_problems", "coverage_problem", "coverage_problems",
     "dcp_metadata", "extra_file_name", "file_crc32", "header_problems", "member_problem", "open_member",
     "placement_of", "plain_name_problem", "read_manifest", "region_text", "shard_file_name", "source_layout_record",

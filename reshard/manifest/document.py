@@ -98,3 +98,32 @@ def _dequantized_from(tensor: TargetTensor, index) -> dict:
     record = sources[0].record()
     record["keys"] = [key for q in sources for key in q.record()["keys"]]
     return {"dequantized_from": record}
+
+
+def joined_copies(documents: list[dict], where) -> dict:
+    """One whole folder's manifest document from the manifests of nodes' copies of it (`write --node-local`): their
+    files and coordinates together, the extras from the copy that has them, no `holds`. Copies of one folder differ
+    in nothing else; whole copies (staged by hand) are already the same.
+
+    Raises:
+        ManifestError: the copies are of different folders (naming the key that differs).
+    """
+    from ..errors import ManifestError
+
+    joined = {k: v for k, v in documents[0].items() if k not in ("holds", "files", "coords", "extras")}
+    files: dict[str, dict] = {}
+    coords: dict[int, dict] = {}
+    for document in documents:
+        if differs := sorted(k for k in set(joined) | set(document) - {"holds", "files", "coords", "extras"}
+                             if document.get(k) != joined.get(k)):
+            raise ManifestError([f"{where}: the nodes hold copies of different folders ({MANIFEST_NAME} differs in "
+                                 f"{differs[0]}); every node needs its copy of the same write"])
+        files.update((f["name"], f) for f in document.get("files", []) if isinstance(f, dict))
+        for entry in (c for c in document.get("coords", []) if isinstance(c, dict)):
+            known = coords.setdefault(entry["coord"], {**entry, "files": []})  # a copy lists only its own files
+            known["files"] += [name for name in entry.get("files", []) if name not in known["files"]]
+        if document.get("extras"):
+            joined["extras"] = document["extras"]
+    joined["files"] = sorted(files.values(), key=lambda f: (f.get("coord", 0), f.get("first", 0), f["name"]))
+    joined["coords"] = [coords[c] for c in sorted(coords)]
+    return joined

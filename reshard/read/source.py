@@ -348,7 +348,7 @@ DISTRIBUTED = (Kind.RESHARD, Kind.SAVED)
 
 
 def open_source(spec, *, revision: str | None = None, stream: bool = False, data: bool = True,
-                kinds: tuple[Kind, ...] | None = None) -> Source:
+                kinds: tuple[Kind, ...] | None = None, store: Store | None = None) -> Source:
     """Open any source: locate it (`locate`), read its index from metadata, and for a quantized checkpoint take the
     bf16 view (`reshard.read.quant.dequantized_view`). What `plan`, `write`, `verify --against`, `merge` (and its
     `--extras-from`) run.
@@ -356,6 +356,8 @@ def open_source(spec, *, revision: str | None = None, stream: bool = False, data
     Args:
         spec, revision, stream, data: as for `locate`.
         kinds: the kinds the caller takes (`DISTRIBUTED` for a merge), refused before any header is read; None: any.
+        store: the files, served by this store instead of the one `spec` names (a merge across nodes reads a folder
+            joined from every node's disk); `spec` then only names them.
 
     Returns:
         A `Source`.
@@ -370,7 +372,8 @@ def open_source(spec, *, revision: str | None = None, stream: bool = False, data
         >>> source.kind, len(source.index.files)  # doctest: +SKIP
         (<Kind.CHECKPOINT: 'checkpoint'>, 93)
     """
-    location = locate(spec, revision=revision, stream=stream, data=data)
+    location = (locate(spec, revision=revision, stream=stream, data=data) if store is None else
+                _located(os.fspath(spec), Where.LOCAL, store))
     if kinds is not None and location.kind not in kinds:
         raise CheckpointError(f"{spec}: neither a reshard folder (`reshard write`) nor a folder saved by transformers' "
                               "save_pretrained(..., distributed_checkpoint=True): no reshard.json and no "

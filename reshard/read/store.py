@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import weakref
 from pathlib import Path, PurePosixPath
 
 from ..errors import CheckpointError
@@ -153,15 +154,22 @@ class LocalStore(Store):
         self.link_root = Path(link_root or root)
         self.links_anywhere = links_anywhere
         self.cache_repo = cache_repo
-        self._fds: dict[str, int] = {}
         self._inside: set[str] = set()  # names whose links were checked
+        self._hold_descriptors()
+
+    def _hold_descriptors(self) -> None:
+        # A store nobody closed still gives its descriptors back when it is dropped: a long-lived process (a trainer,
+        # a test session) that opens many sources must not run out of them.
+        self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._release = weakref.finalize(self, _close_all, self._fds)
 
     def __getstate__(self):  # open descriptors stay with their process
-        return {**self.__dict__, "_fds": {}, "_lock": None}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fds", "_lock", "_release")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _lock=threading.Lock())
+        self.__dict__.update(state)
+        self._hold_descriptors()
 
     def url(self, name: str) -> str:
         return str(self.root / name)
@@ -238,9 +246,13 @@ class LocalStore(Store):
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            _close_all(self._fds)
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 # ---- sequential reads in large ranges ----------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def node_key() -> tuple[str, str]:
 
 
 def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool | None = None,
-                      command: str = "write", node_local: bool = False):
+                      command: str = "write", node_local: bool = False, gather_from=None):
     """Run an output job as one rank of a distributed job: every rank of the job calls this with the same arguments.
 
     Args:
@@ -97,6 +97,9 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
         overwrite, progress: as for `reshard.write.output.write_output` (the bar is shown on rank 0 only).
         command: `write` or `merge`, for messages.
         node_local: each node writes into its own `out` the files its ranks load (`job.for_node`).
+        gather_from: the folder, on each node's own disk at this path, whose files node 0's ranks read from every
+            node (`reshard.write.peers`) to write `out` on node 0: `read_job(store)` then takes the joined folder's
+            store, and the other nodes' ranks serve their files.
 
     Returns:
         What the job's `finish` returns on rank 0 (a write's manifest), None on the other ranks.
@@ -109,7 +112,7 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
     with sigterm_as_interrupt():
         group, _ = gloo_group(command)
         with Ranks(group) as ranks:
-            return _Rank(ranks, Path(out).resolve(), overwrite, progress, node_local).run(read_job)
+            return _Rank(ranks, Path(out).resolve(), overwrite, progress, node_local, gather_from).run(read_job)
 
 
 class _Rank:
@@ -119,9 +122,10 @@ class _Rank:
     claims the folder and completes it.
     """
 
-    def __init__(self, ranks: Ranks, out: Path, overwrite: bool, progress, node_local: bool):
+    def __init__(self, ranks: Ranks, out: Path, overwrite: bool, progress, node_local: bool, gather_from=None):
         self.ranks, self.out, self.overwrite, self.progress = ranks, out, overwrite, progress
-        self.node_local = node_local
+        self.node_local, self.gather_from = node_local, gather_from
+        self.peers = self.store = None  # gathering from every node: the requests, and the joined folder
         self.lock = contextlib.ExitStack()
         self.stage = None  # the claimed OUT, on the rank that leads the team
         self.tmp: Path | None = None
@@ -158,9 +162,35 @@ class _Rank:
     # ---- 0. which node each rank is on ------------------------------------------------------------------------
 
     def _meet(self) -> None:
-        self.nodes = Nodes.from_views(self.ranks.exchange("nodes", node_key()))
-        self.team = (self.nodes.ranks[self.nodes.of(self.ranks.rank)] if self.node_local else
-                     tuple(range(self.ranks.world)))
+        ranks = self.ranks
+        self.nodes = Nodes.from_views(ranks.exchange("nodes", node_key()))
+        node = self.nodes.of(ranks.rank)
+        self.team = (self.nodes.ranks[node] if self.node_local else
+                     self.nodes.ranks[0] if self.gather_from is not None else tuple(range(ranks.world)))
+        if self.gather_from is not None:
+            self._survey(node)
+
+    def _survey(self, node: int) -> None:
+        """Every node's listing of its copy of the folder, and the joined folder node 0's ranks read."""
+        from .peers import PeerStore, Peers, catalog, survey
+
+        ranks, folder, found, problem = self.ranks, Path(self.gather_from), None, None
+        if ranks.rank == self.nodes.ranks[node][0]:
+            try:
+                found = survey(folder)
+            except (OSError, ReshardError) as e:
+                problem = f"{self.nodes.name(node)}: cannot list {folder} ({e})"
+        views = ranks.exchange("survey", (problem, found))
+        if (failure := agreed([p for p, _ in views], "cannot read the folder to merge")) is not None:
+            self.agreed = True
+            raise failure
+        try:
+            files = catalog([f for _, f in views], str(self.gather_from))
+        except ReshardError:
+            self.agreed = True  # the same listings on every rank: the same error
+            raise
+        self.peers = Peers(ranks, folder, self.team, self.nodes)
+        self.store = PeerStore(files, self.peers, node, str(self.gather_from))
 
     # ---- 1. every rank reads its own node's SRC and builds the job; each team's leader also claims OUT ----------
 
@@ -168,12 +198,13 @@ class _Rank:
         ranks, local_error = self.ranks, None
         identity = job = start = None
         try:
-            job = read_job()
-            identity = job.identity(self.out, self.overwrite)
-            if self.node_local:
-                job = job.for_node(RankSpans.of(self.team), ranks.world, len(self.nodes.ranks))
-            if self.leads:
-                start = self._claim(job)
+            if ranks.rank in self.team:  # the others serve their node's files to node 0's ranks, which write
+                job = read_job() if self.store is None else read_job(self.store)
+                identity = job.identity(self.out, self.overwrite)
+                if self.node_local:
+                    job = job.for_node(RankSpans.of(self.team), ranks.world, len(self.nodes.ranks))
+                if self.leads:
+                    start = self._claim(job)
         except Exception as e:  # noqa: BLE001  agreed below: no rank fails alone
             local_error = e
             if not isinstance(e, (ReshardError, OSError)):
@@ -184,6 +215,8 @@ class _Rank:
                        f"{type(local_error).__name__}: {local_error}")
         views = ranks.exchange("start", (problem, identity, start, self.leads))
         self._agree_to_start(views, local_error)
+        if ranks.rank not in self.team:
+            return None, None
         start = views[self.team[0]][2]
         self.tmp, self.total = Path(start["tmp"]), start["total"]
         if ranks.rank == 0:
@@ -229,6 +262,8 @@ class _Rank:
     def _write_share(self, job, start: dict) -> tuple[list[dict], SourceCrcs | None]:
         """Write this rank's share; on the team's leader, the team's file entries in unit order and source CRC-32s."""
         ranks = self.ranks
+        if ranks.rank not in self.team:
+            return self._serve()
         share = assign_shares(start["sizes"], len(self.team), job.units)[self.team.index(ranks.rank)]
         pairs, result, source_crcs = [], None, SourceCrcs(job.index)
         try:
@@ -244,6 +279,29 @@ class _Rank:
         except Exception as e:  # noqa: BLE001
             result = self._share_failure(e)
             ranks.announce("stop", result)
+        finally:
+            if self.peers is not None:
+                self.peers.done()
+                self.store.serving = False
+        return self._gather_entries(job, pairs, result, source_crcs)
+
+    def _serve(self) -> tuple[list[dict], None]:
+        """A rank off node 0 while node 0's ranks gather: serve this node's files until they are done."""
+        try:
+            result = self.peers.serve(self.store.files)
+        except Stopped:
+            result = None
+        except Agreed:
+            raise
+        except Exception as e:  # noqa: BLE001
+            result = self._share_failure(e)
+            self.ranks.announce("stop", result)
+        self._gather_entries(None, [], result, None)
+        return [], None
+
+    def _gather_entries(self, job, pairs: list, result: str | None, source_crcs):
+        """Agree that every rank wrote its share; the team's entries and source CRC-32s on its leader."""
+        ranks = self.ranks
         views = ranks.exchange("written", result)
         if (failure := agreed(views, "failed while writing")) is not None:
             self.agreed = True
@@ -251,7 +309,7 @@ class _Rank:
         if ranks.stop.is_set():  # a rank asked to stop but reported no failure: never rename a partial folder
             self.agreed = True
             raise Agreed("the write was stopped on some rank; nothing was kept.")
-        mine = (pairs, source_crcs.report())
+        mine = (pairs, source_crcs.report() if source_crcs is not None else {})
         if self.node_local:  # every leader needs its own node's entries: each rank's go to every rank, then filtered
             gathered = [view for r, view in enumerate(ranks.exchange("entries", mine)) if r in self.team]
             if not self.leads:

@@ -15,7 +15,7 @@ from .staged import removes_made_parents
 @removes_made_parents("out")
 def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: bool | None = None,
             workers: int | None = 1, distributed: bool | None = None, node_local: bool = False,
-            ranks_given: bool = False):
+            ranks_given: bool = False, gather_from=None):
     """Build the job (`read_job()`) and run it into the folder `out`.
 
     Args:
@@ -25,6 +25,7 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
         overwrite, progress, workers: as for `reshard.write.output.write_output`.
         distributed: run as one rank of a torchrun job (None: when the launcher's environment says so).
         node_local: in a torchrun job, each node writes its own copy (`reshard.write.distributed`).
+        gather_from: in a torchrun job, node 0's ranks write `out` from this folder, on every node's own disk.
         ranks_given: the job holds the files of some ranks only (`--ranks`), which a torchrun job decides itself.
 
     Returns:
@@ -35,7 +36,7 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
             before anything is read).
     """
     distributed = use_distributed(distributed, workers, command)
-    if node_local and not distributed:
+    if (node_local or gather_from is not None) and not distributed:
         alone = (" or, on one node without torchrun, write that node's files with `reshard write SRC OUT ... --ranks "
                  "FIRST-LAST`" if command == "write" else "")
         raise UsageError(f"--node-local is for a torchrun {command} over several nodes, each with its own disk, but "
@@ -47,12 +48,12 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
                              "instead (each node then writes its own ranks' files). Nothing was written.")
         jobs: list = []
 
-        def build():
-            jobs.append(read_job())
+        def build(*store):
+            jobs.append(read_job(*store))
             return jobs[-1]
 
         result = write_distributed(build, out, overwrite=overwrite, progress=progress, command=command,
-                                   node_local=node_local)
+                                   node_local=node_local, gather_from=gather_from)
         return (jobs[-1], result) if result is not None else (None, None)
     job = read_job()
     return job, write_output(job, out, overwrite=overwrite, progress=progress, workers=workers)

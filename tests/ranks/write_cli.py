@@ -94,6 +94,10 @@ if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than
 
 
 def main():
+    if os.environ.get("RESHARD_TEST_DUMP_S"):  # debugging a hang: every thread's stack after that many seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["RESHARD_TEST_DUMP_S"]), exit=False)
     # a shell may start background jobs with SIGINT ignored; a terminal's Ctrl-C raises KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from reshard.cli import main as reshard_main
