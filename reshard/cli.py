@@ -18,6 +18,8 @@ import click
 
 from .errors import ReshardError, UsageError
 from .params import Count, RanksType, SizeType
+from .plan.layout import MergeLayout
+from .plan.placement import LayoutMode
 
 
 def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
@@ -99,7 +101,7 @@ def _show(result, as_json: bool) -> None:
 
 
 layout_option = click.option(
-    "--layout", "mode", type=click.Choice(["balanced", "stock"]), default="balanced", show_default=True,
+    "--layout", "mode", type=click.Choice([m.value for m in LayoutMode]), default=LayoutMode.BALANCED.value, show_default=True,
     help="balanced: split uneven expert tensors on a dim that divides evenly; stock: as transformers does.")
 revision_option = click.option("--revision", metavar="REV", default=None,
                                help="Hub branch, tag or commit (Hub sources only).")
@@ -296,9 +298,9 @@ def files_command(out, ranks, as_json):
 @click.argument("dest")
 @click.option("--max-shard-size", type=SizeType(), default="5GB", show_default=True,
               help="Files of at most this size (5GB, 500MiB, bytes), as save_pretrained writes them.")
-@click.option("--layout", "layout", type=click.Choice(["original", "fused"]), default="original", show_default=True,
-              help="original: the source's on-disk keys and shapes (per-expert keys split back out); fused: the "
-                   "model's in-memory names.")
+@click.option("--layout", "layout", type=click.Choice([m.value for m in MergeLayout]),
+              default=MergeLayout.ORIGINAL.value, show_default=True,
+              help="; ".join(f"{m.value}: {m.describe()}" for m in MergeLayout) + ".")
 @click.option("--overwrite", is_flag=True,
               help="Replace DEST if it exists (swapped in once complete): an empty folder, a merge or reshard "
                    "output only.")
@@ -385,4 +387,6 @@ def env_command(as_json):
     """
     from .api import environment
 
+    if sys.stderr.isatty():  # importing torch and transformers to check the hooks takes seconds: say so
+        click.echo("reshard env: importing torch and transformers to check the loader patch's hooks ...", err=True)
     _show(environment(), as_json)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .errors import ReshardError
+from .plan.report import plural
 
 
 def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=print, timeout: float = 300):
@@ -65,7 +66,8 @@ def _steps(root: Path, ranks: int, echo, timeout: float):
     echo(planned.summary().rsplit("\n\nnext:", 1)[0].replace(str(src), src.name))
     echo(f"\n3/5 reshard write {src.name} {out.name} --fsdp {ranks}")
     written = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
-    echo(f"    {len(written.manifest.files)} files, {written.manifest.empty_markers} explicit empty marker(s)")
+    markers = plural(written.manifest.empty_markers, "explicit empty marker")
+    echo(f"    {plural(len(written.manifest.files), 'file')}, {markers}")
     echo(f"\n4/5 loading on {ranks} CPU processes (gloo) with reshard.from_pretrained")
     shutil.rmtree(reports, ignore_errors=True)
     reports.mkdir()

@@ -11,13 +11,10 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
+from .plan.report import plural
+
 UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
                    "CRC-32: its bytes were copied as they are, not checked.")
-
-
-def plural(n: int, noun: str, nouns: str | None = None) -> str:
-    """`1 file`, `2 files`, `0 files`."""
-    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def mib(n: int) -> str:

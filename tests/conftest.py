@@ -17,6 +17,10 @@ from reshard.tiny import make_tiny_checkpoint
 HERE = Path(__file__).parent
 RANK_SCRIPTS = HERE / "ranks"
 
+# The processes the tests start (ranks, torchrun agents, the CLI) import this checkout's package, whatever another
+# install on the machine points at.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def layout_cache(tmp_path_factory):

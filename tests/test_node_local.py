@@ -293,8 +293,7 @@ def test_merge_across_nodes(source, shared, disks, tmp_path):
              {"argv": ["merge", str(mount_at / "ep"), str(mount_at / "merged"), "--node-local",
                        "--max-shard-size", "150KB", "-q"]},
              {"argv": ["merge", str(mount_at / "saved"), str(mount_at / "merged-saved"), "--node-local", "-q"]}]
-    result, found = run_cli(cases, disks, tmp_path, timeout=240, env={"RESHARD_TEST_DUMP_S": "60"})
-    Path('/tmp/merge_dbg.txt').write_text('\n=====\n'.join(n.stderr for n in result.nodes))
+    result, found = run_cli(cases, disks, tmp_path, timeout=240)
     assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
     for i, case in enumerate(cases):
         assert [g["exit"] for g in found[i]] == [0] * 4, (case["argv"], [g["stderr"] for g in found[i]])
@@ -303,3 +302,70 @@ def test_merge_across_nodes(source, shared, disks, tmp_path):
     assert_same_files(node_dirs[0] / "merged-saved", merged_here(saved, tmp_path / "ref-saved"))
     assert not (node_dirs[1] / "merged").exists() and not (node_dirs[1] / "merged-saved").exists()
     print(f"merge across nodes: {found[1][0]['seconds']:.1f} s; from saved folders {found[2][0]['seconds']:.1f} s")
+
+
+def test_a_flipped_byte_on_another_node_stops_the_merge(source, disks, tmp_path):
+    """One byte flipped in a file only node 1 holds: the bytes node 0 receives fail the manifest's CRC-32, every
+    rank exits 1 with one message naming the file, and no DEST is left on either node."""
+    mount_at, node_dirs, reports = disks
+    write = [{"argv": ["write", str(source), str(mount_at / "ep"), *MESHES["ep"], "--node-local", "-q"]}]
+    _, found = run_cli(write, disks, tmp_path)
+    assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
+    only_there = sorted(set(p.name for p in (node_dirs[1] / "ep").glob("shard-*"))
+                        - set(p.name for p in (node_dirs[0] / "ep").glob("shard-*")))
+    victim = node_dirs[1] / "ep" / only_there[-1]
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    merge = [{"argv": ["merge", str(mount_at / "ep"), str(mount_at / "merged"), "--node-local", "-q"]}]
+    result, found = run_cli(merge, disks, tmp_path)
+    assert [g["exit"] for g in found[0]] == [1] * 4, [g["stderr"] for g in found[0]]
+    message = found[0][0]["stderr"]  # rank 0 checks; the others say rank 0 could not complete DEST, and why
+    assert all(message.removeprefix("Error: ") in g["stderr"] for g in found[0]), [g["stderr"] for g in found[0]]
+    assert f"{only_there[-1]} on node 1 (" in message and "CRC-32" in message and "Traceback" not in message, message
+    assert not (node_dirs[0] / "merged").exists() and not (node_dirs[1] / "merged").exists()
+
+
+def test_a_node_killed_mid_merge_stops_node_0(source, disks, tmp_path):
+    """Node 1 killed while it serves its files: node 0's ranks, which write DEST, stop with one message within
+    60 s and leave nothing; the next merge succeeds."""
+    mount_at, node_dirs, reports = disks
+    write = [{"argv": ["write", str(source), str(mount_at / "ep"), *MESHES["ep"], "--node-local", "-q"]}]
+    _, found = run_cli(write, disks, tmp_path)
+    assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
+    merge = {"argv": ["merge", str(mount_at / "ep"), str(mount_at / "merged"), "--node-local", "-q"]}
+    result, found = run_cli([{**merge, "fault": f"serve-sleep:{mount_at / 'serving'}", "exit": True}], disks,
+                            tmp_path, timeout=150, kill=Kill(node=1, when_file="serving"))
+    assert result.nodes[1].returncode == -9
+    survivors = found[0][:NPROC]
+    assert {g["exit"] for g in survivors} == {1} and len({g["stderr"] for g in survivors}) == 1, survivors
+    assert "Traceback" not in survivors[0]["stderr"], survivors[0]["stderr"]
+    assert result.kill_to_exit < 60, result.kill_to_exit
+    print(f"node 1 killed mid-merge: node 0 stopped {result.kill_to_exit:.1f} s later: "
+          f"{survivors[0]['stderr'].strip()}")
+    assert sorted(p.name for p in node_dirs[0].iterdir()) == ["ep"]
+    _, found = run_cli([merge], disks, tmp_path, timeout=150)
+    assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
+    assert (node_dirs[0] / "merged" / "config.json").exists()
+
+
+def test_nodes_manifests_join_into_the_whole_folders(source, shared, tmp_path):
+    """The manifests of two nodes' copies (`write --ranks`) join into exactly the manifest of one shared write; a
+    copy of another write is refused, naming what differs."""
+    from reshard.errors import ManifestError
+    from reshard.manifest import joined_copies
+
+    documents = []
+    for node in range(NODES):
+        copy = tmp_path / f"copy{node}"
+        result = CliRunner().invoke(cli, ["write", str(source), str(copy), *MESHES["ep"], "--ranks", node_ranks(node),
+                                          "-q"])
+        assert result.exit_code == 0, result.output
+        documents.append(json.loads((copy / MANIFEST_NAME).read_text()))
+    whole = json.loads((shared / "ep" / MANIFEST_NAME).read_text())
+    assert all(d.get("holds") for d in documents) and "holds" not in whole
+    assert joined_copies(documents, "ep") == whole
+    assert joined_copies(documents[::-1], "ep") == whole
+    other = json.loads((shared / "replicas" / MANIFEST_NAME).read_text())
+    with pytest.raises(ManifestError, match="copies of different folders"):
+        joined_copies([documents[0], other], "ep")

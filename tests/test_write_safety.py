@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -138,7 +139,10 @@ def test_free_space_check_counts_the_copied_files(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, needed - 1))
-    with pytest.raises(OutputError, match="GiB free, the output needs"):
+    from reshard.plan.report import human_bytes
+
+    with pytest.raises(OutputError, match=re.escape(f"{human_bytes(needed - 1)} free, the output needs "
+                                                    f"{human_bytes(needed)}.")):
         write_checkpoint(src, out, MESH, progress=False)
     assert not out.exists() and beside(out) == []
 

@@ -33,7 +33,7 @@ def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, Ta
     O(tensors) for one coordinate; a tensor's chunk depends only on its kind, (shape, placement, dtype), of which a
     model has a few dozen, so each kind's chunk is computed once per coordinate.
     """
-    kinds, tensors = _kinds_of(plan)
+    kinds, tensors = plan.tensor_kinds
     per_kind = []  # (box, local shape, offsets, bytes) of each kind on this coordinate
     for shape, placement, dtype in kinds:
         box = local_box(shape, placement, plan.mesh, coord)
@@ -49,22 +49,9 @@ def coordinate_chunks(plan: ReshardPlan, coord: int) -> list[tuple[ChunkSpec, Ta
 def coordinate_key(plan: ReshardPlan, coord: int) -> tuple[Box, ...]:
     """The box of every kind on `coord`: two coordinates with equal keys store equal chunks (`coordinate_chunks`),
     as every empty coordinate of a large mesh does. O(kinds)."""
-    kinds, _ = _kinds_of(plan)
+    kinds, _ = plan.tensor_kinds
     box = local_box.__wrapped__  # uncached: kinds x coordinates entries would only evict one another
     return tuple(box(shape, placement, plan.mesh, coord) for shape, placement, _ in kinds)
-
-
-_last_kinds: list = [None, None]  # [plan, its kinds]: the writers ask for one plan's coordinates in turn
-
-
-def _kinds_of(plan: ReshardPlan) -> tuple[list[tuple], list[tuple[TargetTensor, int]]]:
-    """The plan's distinct (shape, placement, dtype) kinds, and each tensor (in plan order) with its kind's index."""
-    if _last_kinds[0] is not plan:
-        kinds: dict[tuple, int] = {}
-        tensors = [(tp.tensor, kinds.setdefault((tp.tensor.shape, tp.planned, tp.tensor.dtype), len(kinds)))
-                   for tp in plan.tensors]
-        _last_kinds[:] = [plan, (list(kinds), tensors)]
-    return _last_kinds[1]
 
 
 def check_max_shard_size(value) -> None:
@@ -97,7 +84,7 @@ def split_parts(items: list, max_bytes: int | None, *, nbytes=lambda item: item[
 def coordinate_sizes(plan: ReshardPlan) -> list[int]:
     """Bytes of shard data each coordinate's files hold, in O(tensors + kinds x coordinates): a tensor's chunk size
     depends only on its kind (see `coordinate_chunks`), so no coordinate's chunk list is built."""
-    kinds, tensors = _kinds_of(plan)
+    kinds, tensors = plan.tensor_kinds
     members = [0] * len(kinds)
     for _, kind in tensors:
         members[kind] += 1

@@ -216,6 +216,15 @@ class ReshardPlan:
     quantization: object = None
     extras: tuple[TargetTensor, ...] = ()
 
+    @functools.cached_property  # kept on the plan (its own __dict__): the writers ask for its coordinates in turn
+    def tensor_kinds(self) -> tuple[list[tuple], list[tuple[TargetTensor, int]]]:
+        """The plan's distinct (shape, planned placement, dtype) kinds, and each tensor (in plan order) with its
+        kind's index: a coordinate's boxes are computed once per kind, not once per tensor."""
+        kinds: dict[tuple, int] = {}
+        tensors = [(tp.tensor, kinds.setdefault((tp.tensor.shape, tp.planned, tp.tensor.dtype), len(kinds)))
+                   for tp in self.tensors]
+        return list(kinds), tensors
+
 
 def _stock_placement(tensor: TargetTensor, mesh: MeshSpec) -> Placement:
     if not tensor.is_param or not tensor.shape:

@@ -19,8 +19,8 @@ def _rank_map(rows: tuple[int, ...], replicated: bool) -> str:
     """Rows on the split dim per fsdp coordinate, `.` for an empty local.
 
     One character per rank while every count is a single digit and there are at most `MAP_WIDTH` ranks
-    (`33333320` x 8 for GLM-4.6 stock); otherwise runs, `384x64` for 64 ranks of 384 rows, `12x3 .x1` when the last
-    of 4 ranks is empty, `1x4 .x65532` at 65,536 ranks; past `MAX_RUNS` runs, the rest is counted.
+    (`33333320` for 8 ranks of GLM-4.6 stock); otherwise runs, `384 on 64 ranks`, `12 on 3 ranks, . on 1 rank` when
+    the last of 4 ranks is empty; past `MAX_RUNS` runs, the rest is counted.
     """
     if replicated:
         return "all ranks hold it whole"
@@ -32,11 +32,12 @@ def _rank_map(rows: tuple[int, ...], replicated: bool) -> str:
             runs[-1][1] += 1
         else:
             runs.append([n, 1])
-    text = " ".join(f"{'.' if n == 0 else n}x{count}" for n, count in runs[:MAX_RUNS])
+    text = ", ".join(f"{'.' if n == 0 else n} on {plural(count, 'rank')}" for n, count in runs[:MAX_RUNS])
     return text + (f" ... ({len(runs) - MAX_RUNS} more runs)" if len(runs) > MAX_RUNS else "")
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """`n` bytes as people read them: 512 B, 1.50 KiB, 82.17 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -95,7 +96,7 @@ def _extras_lines(plan: ReshardPlan) -> list[str]:
                   "in reshard.json)\n  merge writes them back; --drop-unloaded leaves them out")
     else:
         action = "write: leaves them out (--drop-unloaded); a merge of the output will not hold them"
-    return [f"tensors the model does not load: {e['tensors']} ({_human_bytes(e['bytes'])})",
+    return [f"tensors the model does not load: {e['tensors']} ({human_bytes(e['bytes'])})",
             f"  e.g. {', '.join(e['examples'])}", *(f"  {w}" for w in why), f"  {action}"]
 
 
@@ -151,9 +152,9 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
     for f in families:
         if f.role is not Role.EXPERT:
             continue
-        lines.append(f"  {f.pattern}  {list(f.shape)} {f.dtype}  x{f.count}")
+        lines.append(f"  {f.pattern}  {list(f.shape)} {f.dtype}  ({plural(f.count, 'tensor')})")
         lines.append(f"    stock    {f.stock.describe():{width}s}  {_rank_map(f.stock_rows, False)}"
-                     + (f"  empty on {_count(len(f.stock_empty), 'rank')}" if f.stock_empty else ""))
+                     + (f"  empty on {plural(len(f.stock_empty), 'rank')}" if f.stock_empty else ""))
         choice = "same as stock" if f.planned == f.stock else f"split dim {f.planned.shard_dim} (divides evenly)"
         if f.planned == f.stock and f.stock_empty:
             choice = "no dim divides evenly: explicit empty markers"
@@ -162,16 +163,16 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
     if dense_empty:
         lines += ["", "dense tensors with empty locals (loaded with explicit empty markers; FSDP handles these):"]
         for f in dense_empty:
-            lines.append(f"  {f.pattern}  {list(f.shape)} x{f.count}  {_rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED)}")
+            lines.append(f"  {f.pattern}  {list(f.shape)} ({plural(f.count, 'tensor')})  {_rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED)}")
     if plan.quantization is not None:
         q = quantization_summary(plan)
         families = q["dequantized_families"]
         lines += ["", f"quantized source: {q['format']}, {q['quantized_source_tensors']} tensors "
-                      f"({_human_bytes(q['quantized_source_bytes'])} with scales); planned as the bf16 model "
+                      f"({human_bytes(q['quantized_source_bytes'])} with scales); planned as the bf16 model "
                       "transformers builds without quantization_config",
                   f"  dequantized: {q['dequantized_tensors']} tensor(s) in {len(families)} famil"
                   f"{'y' if len(families) == 1 else 'ies'}, e.g. {', '.join(families[:3])}",
-                  f"  bf16 output: {_human_bytes(q['output_bytes'])} in all ({_human_bytes(q['dequantized_bytes'])} "
+                  f"  bf16 output: {human_bytes(q['output_bytes'])} in all ({human_bytes(q['dequantized_bytes'])} "
                   "computed, the rest copied as it is)",
                   "  write: `reshard write SRC OUT ... --dequantize bf16` computes each chunk from just the source "
                   "rows and scales it needs (bounded memory) and writes a config.json without quantization_config"]
@@ -179,13 +180,14 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         lines += ["", *_extras_lines(plan)]
     lines += [
         "",
-        f"summary: stock transformers leaves {_count(stats['stock_empty_tensors'], 'tensor')} empty "
-        f"({stats['stock_empty_expert_tensors']} routed-expert) {_on_ranks(stats['stock_empty_ranks'])};",
-        f"         reshard's layout: {stats['planned_empty_tensors']} ({stats['planned_empty_expert_tensors']} routed-expert) "
-        f"{_on_ranks(stats['planned_empty_ranks'])}, each an explicit empty marker.",
-        f"expert bytes per rank, max/mean: stock {_human_bytes(stats['stock_expert_bytes_max'])} / "
-        f"{_human_bytes(stats['stock_expert_bytes_mean'])} = {stats['stock_expert_max_over_mean']:.2f}; planned "
-        f"{_human_bytes(stats['planned_expert_bytes_max'])} / {_human_bytes(stats['planned_expert_bytes_mean'])} = "
+        f"summary: stock transformers leaves {plural(stats['stock_empty_tensors'], 'tensor')} empty "
+        f"({_experts_among(stats['stock_empty_expert_tensors'])}) {_on_ranks(stats['stock_empty_ranks'])};",
+        f"         reshard's layout: {plural(stats['planned_empty_tensors'], 'tensor')} empty "
+        f"({_experts_among(stats['planned_empty_expert_tensors'])}) {_on_ranks(stats['planned_empty_ranks'])}, "
+        "each an explicit empty marker.",
+        f"expert bytes per rank, max/mean: stock {human_bytes(stats['stock_expert_bytes_max'])} / "
+        f"{human_bytes(stats['stock_expert_bytes_mean'])} = {stats['stock_expert_max_over_mean']:.2f}; planned "
+        f"{human_bytes(stats['planned_expert_bytes_max'])} / {human_bytes(stats['planned_expert_bytes_mean'])} = "
         f"{stats['planned_expert_max_over_mean']:.2f}",
         "",
         *expert_bars(*expert_bytes_per_rank(plan)),
@@ -193,8 +195,9 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
     return "\n".join(lines)
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """`1 file`, `2 files`, `0 files`."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def _spans(ranks: list[int], limit: int = 16) -> str:
@@ -207,6 +210,11 @@ def _spans(ranks: list[int], limit: int = 16) -> str:
             runs.append([r, r])
     text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
     return text + (",..." if len(runs) > limit else "")
+
+
+def _experts_among(n: int) -> str:
+    """`no expert tensor among them`, `1 of them an expert tensor`, `4 of them expert tensors`."""
+    return "no expert tensor among them" if n == 0 else f"{n} of them expert tensor{'s' if n != 1 else ''}"
 
 
 def _on_ranks(ranks: list[int]) -> str:
@@ -240,11 +248,11 @@ def expert_bars(stock: list[int], planned: list[int]) -> list[str]:
     labels = [("rank " if len(ranks) == 1 else f"{len(ranks)} ranks ") + _spans(ranks, 4)
               for _, ranks in rows[:MAX_BAR_GROUPS]]
     width = max(len(label) for label in labels)
-    lines = [f"expert bytes per rank, stock vs planned (# = 1/{BAR_WIDTH} of the largest, {_human_bytes(top)}):"]
+    lines = [f"expert bytes per rank, stock vs planned (# = 1/{BAR_WIDTH} of the largest, {human_bytes(top)}):"]
     for label, ((s, p), _) in zip(labels, rows):
-        lines.append(f"  {label:{width}s}  stock {bar(s)} {_human_bytes(s):>10s}   planned {bar(p)} "
-                     f"{_human_bytes(p):>10s}")
+        lines.append(f"  {label:{width}s}  stock {bar(s)} {human_bytes(s):>10s}   planned {bar(p)} "
+                     f"{human_bytes(p):>10s}")
     if len(rows) > MAX_BAR_GROUPS:
         rest = sum(len(ranks) for _, ranks in rows[MAX_BAR_GROUPS:])
-        lines.append(f"  ... {_count(rest, 'more rank')} in {len(rows) - MAX_BAR_GROUPS} more groups")
+        lines.append(f"  ... {plural(rest, 'more rank')} in {len(rows) - MAX_BAR_GROUPS} more groups")
     return lines

@@ -195,21 +195,19 @@ class _Rank:
     # ---- 1. every rank reads its own node's SRC and builds the job; each team's leader also claims OUT ----------
 
     def _start(self, read_job):
-        ranks, local_error = self.ranks, None
+        ranks, local_error, problem = self.ranks, None, None
         identity = job = start = None
         try:
-            if ranks.rank in self.team:  # the others serve their node's files to node 0's ranks, which write
-                job = read_job() if self.store is None else read_job(self.store)
-                identity = job.identity(self.out, self.overwrite)
-                if self.node_local:
-                    job = job.for_node(RankSpans.of(self.team), ranks.world, len(self.nodes.ranks))
-                if self.leads:
-                    start = self._claim(job)
+            if ranks.rank in self.team:
+                job, identity, start = self._read_and_claim(read_job)
+            elif self.peers is not None:  # the other nodes' ranks serve their files while node 0's read SRC
+                problem = self.peers.serve(self.store.files)
+        except Stopped:
+            pass  # a rank serving this one failed, and says why
         except Exception as e:  # noqa: BLE001  agreed below: no rank fails alone
             local_error = e
             if not isinstance(e, (ReshardError, OSError)):
                 traceback.print_exc()  # not an expected failure: show where, on this rank
-        problem = None
         if local_error is not None:
             problem = (str(local_error) if isinstance(local_error, ReshardError) else
                        f"{type(local_error).__name__}: {local_error}")
@@ -222,6 +220,19 @@ class _Rank:
         if ranks.rank == 0:
             ranks.bar = progress_bar(sum(v[2]["bytes"] for v in views if v[3]), self.progress, job.command)
         return job, start
+
+    def _read_and_claim(self, read_job):
+        """Read SRC and build the job; the team's leader also claims OUT. Gathering, tell the serving ranks when
+        done, whatever happened."""
+        try:
+            job = read_job() if self.store is None else read_job(self.store)
+            identity = job.identity(self.out, self.overwrite)
+            if self.node_local:
+                job = job.for_node(RankSpans.of(self.team), self.ranks.world, len(self.nodes.ranks))
+            return job, identity, self._claim(job) if self.leads else None
+        finally:
+            if self.peers is not None:
+                self.peers.done()
 
     def _claim(self, job) -> dict:
         """The team's leader: OUT checked, locked and claimed, the temporary folder created; what the team needs."""
@@ -282,7 +293,6 @@ class _Rank:
         finally:
             if self.peers is not None:
                 self.peers.done()
-                self.store.serving = False
         return self._gather_entries(job, pairs, result, source_crcs)
 
     def _serve(self) -> tuple[list[dict], None]:

@@ -15,7 +15,6 @@ into the whole folder's (`reshard.manifest.joined_copies`).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME, joined_copies
 from ..manifest.format import dump_manifest
 from ..read.checkpoint import json_document
-from ..read.store import READ_BLOCK, LocalStore, Store
+from ..read.store import HEADER_PROBE, READ_BLOCK, LocalStore, Store
 from .ranks import POLL_S, Agreed, Stopped
 
 WHOLE_LIMIT = 64 << 20  # a metadata file up to this size travels whole with the listing
@@ -42,7 +41,8 @@ def survey(folder: Path) -> dict[str, tuple[int, bytes]]:
             size = store.size(name)
             if name.endswith(".safetensors"):
                 length = int.from_bytes(store.read(name, 0, 8), "little") if size >= 8 else 0
-                found[name] = (size, store.read(name, 0, min(size, 8 + min(length, HEADER_LIMIT))))
+                # as much as a remote header read asks for first (HEADER_PROBE), so reading SRC needs no request
+                found[name] = (size, store.read(name, 0, min(size, max(8 + min(length, HEADER_LIMIT), HEADER_PROBE))))
             else:
                 found[name] = (size, store.read(name, 0, size) if size <= WHOLE_LIMIT else b"")
     finally:
@@ -104,19 +104,34 @@ class Peers:
         ranks = self.nodes.ranks[holding.nodes[0]]
         return ranks[self.writers.index(self.ranks.rank) % len(ranks)]
 
-    def _wait(self, work, *, stop: bool = True) -> None:
-        """Wait for a send or receive, polling: a rank gone ends the wait, and so does a stop when `stop`."""
-        while not work.is_completed():
-            if self.ranks.gone:
+    def _wait(self, work) -> None:
+        """Wait for a send or receive. Gloo's point-to-point work cannot be polled (`is_completed` stays False until
+        `wait`, and a `wait` that times out closes the connection), so a thread waits while this one watches for a
+        rank gone. A stop does not end the wait: every request is answered (a failed read with FAILED), so a writer
+        and its server always finish the exchange they started and stop between blocks."""
+        failure: list[BaseException] = []
+
+        def complete() -> None:
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001  raised below, in the waiting thread
+                failure.append(e)
+
+        waiter = threading.Thread(target=complete, name="reshard-peer-wait", daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            waiter.join(POLL_S)
+            if waiter.is_alive() and self.ranks.gone:
                 raise Agreed(f"{self.ranks.gone}; every rank stopped and nothing was kept.")
-            if stop and self.ranks.stop.is_set():
-                raise Stopped()
-            time.sleep(POLL_S / 10)
-        work.wait()
+        if failure:
+            raise Agreed(f"{self.ranks.gone or 'a rank of another node went away'} ({failure[0]}); every rank "
+                         "stopped and nothing was kept.") from failure[0]
 
     def fetch(self, name: str, holding: Holding, start: int, view: memoryview) -> None:
         """Fill `view` with `name`'s bytes from `start`, from the node that holds it, a block at a time."""
         for offset in range(0, len(view), READ_BLOCK):
+            if self.ranks.stop.is_set():
+                raise Stopped()  # another rank failed: no more requests
             part = view[offset:offset + READ_BLOCK]
             self._fetch_block(name, holding, start + offset, part)
 
@@ -140,7 +155,7 @@ class Peers:
         for server in (r for r in range(self.ranks.world) if r not in self.writers):
             try:
                 self._wait(dist.isend(torch.tensor([DONE, self.ranks.rank, 0, 0, 0, 0]), server,
-                                      group=self.ranks.group, tag=REQUEST_TAG), stop=False)
+                                      group=self.ranks.group, tag=REQUEST_TAG))
             except (Agreed, RuntimeError):
                 return  # a rank is gone: every rank stops on that
 
@@ -155,7 +170,7 @@ class Peers:
             while writers_left:
                 request = torch.zeros(6, dtype=torch.int64)
                 # a writer that fails still says done: only a rank gone ends this wait
-                self._wait(dist.irecv(request, None, group=self.ranks.group, tag=REQUEST_TAG), stop=False)
+                self._wait(dist.irecv(request, None, group=self.ranks.group, tag=REQUEST_TAG))
                 op, writer, file_id, start, length, tag = (int(v) for v in request)
                 if op == DONE:
                     writers_left.discard(writer)
@@ -175,15 +190,16 @@ class Peers:
             problem = f"{self.ranks.host}: cannot read {self.folder / name} to send it to node 0 ({e})"
             self.ranks.announce("stop", problem)
         status = torch.tensor([FAILED if problem else 0])
-        self._wait(dist.isend(status, writer, group=self.ranks.group, tag=tag), stop=False)
+        self._wait(dist.isend(status, writer, group=self.ranks.group, tag=tag))
         if problem is None:
             data = torch.frombuffer(view, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
-            self._wait(dist.isend(data, writer, group=self.ranks.group, tag=tag + 1), stop=False)
+            self._wait(dist.isend(data, writer, group=self.ranks.group, tag=tag + 1))
         return problem
 
 
 class PeerStore(Store):
-    """The joined folder as node 0's writers read it: own disk first, then the listing, then a peer node."""
+    """The joined folder as node 0's writers read it: own disk first, then the listing, then a peer node (whose
+    ranks serve in two rounds: while the writers read SRC, and while they write)."""
 
     def __init__(self, files: dict[str, Holding], peers: Peers, node: int, spec: str):
         self.files, self.peers, self.node = files, peers, node
@@ -191,10 +207,17 @@ class PeerStore(Store):
         self.remote = True
         self.local = LocalStore(peers.folder, links_anywhere=True)
         peers.names = sorted(files)
-        self.serving = True  # cleared once the servers stopped: a read then cannot be answered
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self.files))
+
+    def url(self, name: str) -> str:
+        """Where `name` is, with the node whose disk it was read from when that is not this one's."""
+        holding = self.files.get(name)
+        where = f"{self.location.rstrip('/')}/{name}"
+        if holding is None or not holding.nodes or self.node in holding.nodes:
+            return where
+        return f"{where} on {self.peers.nodes.name(holding.nodes[0])}"
 
     def _holding(self, name: str) -> Holding:
         if name not in self.files:
@@ -222,11 +245,8 @@ class PeerStore(Store):
             view[:] = holding.head[start:start + len(view)]
         elif self.node in holding.nodes:
             self.local.readinto(name, start, view)
-        elif self.serving:
-            self.peers.fetch(name, holding, start, view)
         else:
-            raise CheckpointError(f"{self.url(name)}: needed from node {holding.nodes[0]} after the nodes stopped "
-                                  "serving. Nothing was written.", path=self.url(name))
+            self.peers.fetch(name, holding, start, view)
 
     def close(self) -> None:
         self.local.close()

@@ -27,6 +27,7 @@ from typing import Callable
 
 from ..errors import OutputError, UsageError
 from ..manifest import claimed_names
+from ..plan.report import human_bytes
 from ..read.checkpoint import is_metadata_file
 from ..signals import signals_held
 
@@ -135,8 +136,8 @@ class StagedOutput:
         self.total = needed
         free = shutil.disk_usage(self.out.parent).free
         if free < needed:
-            raise OutputError(f"{self.out.parent}: {free / 2**30:.2f} GiB free, the output needs "
-                              f"{needed / 2**30:.2f} GiB. Free space or write elsewhere.")
+            raise OutputError(f"{self.out.parent}: {human_bytes(free)} free, the output needs "
+                              f"{human_bytes(needed)}. Free space or write elsewhere. Nothing was changed.")
 
     @contextmanager
     def filling(self):
@@ -179,7 +180,7 @@ def output_error(e: OSError, out: Path, total: int) -> OutputError:
     """The error a write to `out` (of `total` bytes) reports for `e`, once its temporary folder is gone."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
-                           f"The output needs {total / 2**30:.2f} GiB.")
+                           f"The output needs {human_bytes(total)}.")
     if isinstance(e, OutputError):
         return e
     return OutputError(f"{out}: write failed ({e}); nothing was kept.")

@@ -14,6 +14,8 @@ writing its output file C + 1, `model-0000{C+1}-of-...`, and only enospc):
   enospc:C             raise OSError(ENOSPC), as a full disk does
   kill:C[:MARKER]      SIGKILL itself (after writing the time to MARKER)
   sleep:C:MARKER       write the file, create MARKER, then sleep 120 s (the test stops the write meanwhile)
+  serve-sleep:MARKER   a merge across nodes: the first request a rank off node 0 answers creates MARKER, then that
+                       rank sleeps 120 s (the test kills its node meanwhile)
 
 RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.ranks.STALE_S).
 
@@ -34,11 +36,13 @@ from pathlib import Path
 import reshard.write.distributed
 import reshard.write.ranks
 import reshard.write.merge
+import reshard.write.peers
 import reshard.write.shards
 
 _stock_write_file = reshard.write.shards.write_rank_file
 _stock_merge_file = reshard.write.merge.write_safetensors
 _stock_progress_bar = reshard.write.distributed.progress_bar
+_stock_answer = reshard.write.peers.Peers._answer
 bars = []
 
 
@@ -52,7 +56,7 @@ def _fault_for(path) -> tuple[str, str]:
         unit, part = int(name.split("-")[1]) - 1, 0
     kind, _, rest = fault.partition(":")
     target, _, marker = rest.partition(":")
-    if not kind or part != 0 or unit != int(target):
+    if kind not in ("enospc", "kill", "sleep") or part != 0 or unit != int(target):
         return "", ""
     return kind, marker
 
@@ -81,6 +85,14 @@ def _faulty_write_file(path, items, engine):
     return entry
 
 
+def _slow_answer(self, *args):
+    kind, _, marker = os.environ.get("RESHARD_TEST_FAULT", "").partition(":")
+    if kind == "serve-sleep":
+        Path(marker).write_text(str(time.time()))
+        time.sleep(120)
+    return _stock_answer(self, *args)
+
+
 def _counted_progress_bar(total, progress, command):
     bars.append(total)
     return _stock_progress_bar(total, progress, command)
@@ -89,6 +101,7 @@ def _counted_progress_bar(total, progress, command):
 reshard.write.shards.write_rank_file = _faulty_write_file
 reshard.write.merge.write_safetensors = _faulty_merge_file
 reshard.write.distributed.progress_bar = _counted_progress_bar
+reshard.write.peers.Peers._answer = _slow_answer
 if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than in production
     reshard.write.ranks.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
 
