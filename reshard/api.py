@@ -5,6 +5,7 @@ returning a frozen result (`reshard.results`) whose `to_json()` is the command's
 
 from __future__ import annotations
 
+import os
 import shlex
 
 from .errors import ArchitectureError, UsageError
@@ -12,7 +13,7 @@ from .plan.mesh import MeshSpec
 from .plan.placement import LayoutMode, make_plan
 from .plan.ranks import RankSpans
 from .read.quant import OUTPUT_DTYPES
-from .read.source import DISTRIBUTED, Kind, open_source
+from .read.source import DISTRIBUTED, Kind, is_url, open_source
 from .results import EnvResult, FilesResult, MergeResult, PlanResult, VerifyResult, WriteResult
 
 
@@ -102,6 +103,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
     """
     from .plan.files import check_max_shard_size
+    from .write.peers import Listing
     from .write.runner import run_job
     from .write.shards import WriteJob
     from .write.staged import refuse_url_output
@@ -113,14 +115,16 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     spans = RankSpans.parse(ranks) if isinstance(ranks, str) else ranks
     kinds: list[Kind] = []
 
-    def read_job() -> WriteJob:
-        opened = open_source(source, revision=revision, stream=stream)
+    def read_job(store=None) -> WriteJob:
+        opened = open_source(source, revision=revision, stream=stream, store=store)
         kinds.append(opened.kind)
         job = WriteJob(*_plan_for_write(opened, mesh, mode, dequantize, drop_unloaded), max_shard_size)
         return job if spans is None else job.for_ranks(spans)
 
+    local_source = node_local and not is_url(os.fspath(source))  # each node may hold just the files it reads
     job, manifest = run_job(read_job, out, command="write", overwrite=overwrite, progress=progress, workers=workers,
-                            distributed=distributed, node_local=node_local, ranks_given=spans is not None)
+                            distributed=distributed, node_local=node_local, ranks_given=spans is not None,
+                            list_from=Listing.of_source(source) if local_source else None)
     if job is None:
         return None
     return WriteResult(manifest, str(out), str(source), kinds[-1].value, revision)
@@ -254,6 +258,7 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     """
     from .plan.files import check_max_shard_size
     from .write.merge import DEFAULT_MAX_SHARD_SIZE, merge_job
+    from .write.peers import Listing
     from .write.runner import run_job
     from .write.staged import refuse_url_output
 
@@ -266,7 +271,7 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
                          max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, layout=layout, extras_from=extras)
 
     job, _ = run_job(read_job, dest, command="merge", overwrite=overwrite, progress=progress, workers=workers,
-                     distributed=distributed, gather_from=source if node_local else None)
+                     distributed=distributed, gather_from=Listing.of_copies(source) if node_local else None)
     if job is None:
         return None
     from .write.merge import left_out

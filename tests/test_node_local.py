@@ -323,6 +323,7 @@ def test_a_flipped_byte_on_another_node_stops_the_merge(source, disks, tmp_path)
     message = found[0][0]["stderr"]  # rank 0 checks; the others say rank 0 could not complete DEST, and why
     assert all(message.removeprefix("Error: ") in g["stderr"] for g in found[0]), [g["stderr"] for g in found[0]]
     assert f"{only_there[-1]} on node 1 (" in message and "CRC-32" in message and "Traceback" not in message, message
+    print(f"a flipped byte on node 1, merge: {max(g['seconds'] for g in found[0]):.1f} s: {message.strip()}")
     assert not (node_dirs[0] / "merged").exists() and not (node_dirs[1] / "merged").exists()
 
 
@@ -369,3 +370,68 @@ def test_nodes_manifests_join_into_the_whole_folders(source, shared, tmp_path):
     other = json.loads((shared / "replicas" / MANIFEST_NAME).read_text())
     with pytest.raises(ManifestError, match="copies of different folders"):
         joined_copies([documents[0], other], "ep")
+
+
+EP4 = ["--fsdp", "4", "--ep", "4"]  # one expert per rank: each node reads only its own experts' file
+
+
+def split_by_experts(source: Path, folder: Path) -> dict[str, set[str]]:
+    """`source` re-saved as three files: the tensors every rank reads, experts 0-1 and experts 2-3 (at `--ep 4`, one
+    expert per rank: node 0's ranks and node 1's), with an index; returns file -> keys."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    groups: dict[str, dict] = {"dense.safetensors": {}, "experts-0-1.safetensors": {}, "experts-2-3.safetensors": {}}
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            expert = int(key.split(".experts.")[1].split(".")[0]) if ".experts." in key else None
+            name = ("dense.safetensors" if expert is None else
+                    "experts-0-1.safetensors" if expert < 2 else "experts-2-3.safetensors")
+            groups[name][key] = f.get_tensor(key)
+    for name, tensors in groups.items():
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+    weight_map = {key: name for name, tensors in groups.items() for key in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in ("config.json", "generation_config.json"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    return {name: set(tensors) for name, tensors in groups.items()}
+
+
+def test_each_node_needs_only_the_source_files_it_reads(source, disks, tmp_path):
+    """A local SRC of which each node holds only what its ranks' files read (node 0: the dense file and experts 0-1
+    with the metadata; node 1: the dense file and experts 2-3, nothing else): the node-local write equals a shared
+    write from the whole SRC, byte for byte, manifests joined included. A node missing a file its ranks read (moved
+    to the other node) stops every rank with one message naming the file and the node, and no node keeps
+    anything."""
+    from reshard.manifest import joined_copies
+
+    mount_at, node_dirs, reports = disks
+    whole = mount_at / "src"  # on the host, the whole SRC at the path the nodes see their parts at
+    split_by_experts(source, whole)
+    reference = tmp_path / "reference"
+    result = CliRunner().invoke(cli, ["write", str(whole), str(reference), *EP4, "-q"])
+    assert result.exit_code == 0, result.output
+    parts = [{"dense.safetensors", "experts-0-1.safetensors", "model.safetensors.index.json", "config.json",
+              "generation_config.json"}, {"dense.safetensors", "experts-2-3.safetensors"}]
+    for node, names in enumerate(parts):
+        (node_dirs[node] / "src").mkdir()
+        for name in names:
+            (node_dirs[node] / "src" / name).write_bytes((whole / name).read_bytes())
+    cases = [{"argv": ["write", str(whole), str(mount_at / "out"), *EP4, "--node-local", "-q"]}]
+    result, found = run_cli(cases, disks, tmp_path)
+    assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
+    for node in range(NODES):
+        assert_node_copy(node_dirs[node] / "out", reference, node)
+    documents = [json.loads((d / "out" / MANIFEST_NAME).read_text()) for d in node_dirs]
+    assert joined_copies(documents, "out") == json.loads((reference / MANIFEST_NAME).read_text())
+
+    (node_dirs[1] / "src" / "experts-2-3.safetensors").rename(node_dirs[0] / "src" / "experts-2-3.safetensors")
+    cases = [{"argv": ["write", str(whole), str(mount_at / "lacking"), *EP4, "--node-local", "-q"]}]
+    result, found = run_cli(cases, disks, tmp_path)
+    assert {g["exit"] for g in found[0]} == {1}, [g["stderr"] for g in found[0]]
+    assert len({g["stderr"] for g in found[0]}) == 1, [g["stderr"] for g in found[0]]
+    message = found[0][0]["stderr"]
+    assert "experts-2-3.safetensors is not on node 1 (" in message and "Traceback" not in message, message
+    print(f"a node without a source file it reads: {max(g['seconds'] for g in found[0]):.1f} s: {message.strip()}")
+    assert_nothing_on_any_node(node_dirs, "lacking")

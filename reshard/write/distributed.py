@@ -86,7 +86,7 @@ def node_key() -> tuple[str, str]:
 
 
 def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool | None = None,
-                      command: str = "write", node_local: bool = False, gather_from=None):
+                      command: str = "write", node_local: bool = False, gather_from=None, list_from=None):
     """Run an output job as one rank of a distributed job: every rank of the job calls this with the same arguments.
 
     Args:
@@ -97,9 +97,12 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
         overwrite, progress: as for `reshard.write.output.write_output` (the bar is shown on rank 0 only).
         command: `write` or `merge`, for messages.
         node_local: each node writes into its own `out` the files its ranks load (`job.for_node`).
-        gather_from: the folder, on each node's own disk at this path, whose files node 0's ranks read from every
-            node (`reshard.write.peers`) to write `out` on node 0: `read_job(store)` then takes the joined folder's
+        gather_from: a `reshard.write.peers.Listing` of the folder on each node's own disk whose files node 0's
+            ranks read from every node to write `out` on node 0: `read_job(store)` then takes the joined folder's
             store, and the other nodes' ranks serve their files.
+        list_from: with `node_local`, a `Listing` of SRC when it is a local path: each node plans from every node's
+            listing joined (`read_job(store)`), so it needs on its own disk only the source files its ranks' files
+            read. A path no node has is not listed (a Hub repo id): every node then reads SRC as it is.
 
     Returns:
         What the job's `finish` returns on rank 0 (a write's manifest), None on the other ranks.
@@ -112,7 +115,8 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
     with sigterm_as_interrupt():
         group, _ = gloo_group(command)
         with Ranks(group) as ranks:
-            return _Rank(ranks, Path(out).resolve(), overwrite, progress, node_local, gather_from).run(read_job)
+            return _Rank(ranks, Path(out).resolve(), overwrite, progress, node_local, gather_from,
+                         list_from).run(read_job)
 
 
 class _Rank:
@@ -122,9 +126,10 @@ class _Rank:
     claims the folder and completes it.
     """
 
-    def __init__(self, ranks: Ranks, out: Path, overwrite: bool, progress, node_local: bool, gather_from=None):
+    def __init__(self, ranks: Ranks, out: Path, overwrite: bool, progress, node_local: bool, gather_from=None,
+                 list_from=None):
         self.ranks, self.out, self.overwrite, self.progress = ranks, out, overwrite, progress
-        self.node_local, self.gather_from = node_local, gather_from
+        self.node_local, self.gather_from, self.list_from = node_local, gather_from, list_from
         self.peers = self.store = None  # gathering from every node: the requests, and the joined folder
         self.lock = contextlib.ExitStack()
         self.stage = None  # the claimed OUT, on the rank that leads the team
@@ -163,34 +168,41 @@ class _Rank:
 
     def _meet(self) -> None:
         ranks = self.ranks
-        self.nodes = Nodes.from_views(ranks.exchange("nodes", node_key()))
+        listing = self.gather_from or self.list_from
+        views = ranks.exchange("nodes", (node_key(), listing is not None and os.path.exists(listing.spec)))
+        self.nodes = Nodes.from_views([key for key, _ in views])
         node = self.nodes.of(ranks.rank)
         self.team = (self.nodes.ranks[node] if self.node_local else
                      self.nodes.ranks[0] if self.gather_from is not None else tuple(range(ranks.world)))
-        if self.gather_from is not None:
-            self._survey(node)
+        if self.gather_from is not None or any(here for _, here in views):  # a local SRC: on some node's disk
+            self._survey(node, listing)
 
-    def _survey(self, node: int) -> None:
-        """Every node's listing of its copy of the folder, and the joined folder node 0's ranks read."""
+    def _survey(self, node: int, listing) -> None:
+        """Every node's listing of its copy of the folder, and the joined folder this rank reads (gathering, node 0's
+        ranks, served by the others)."""
         from .peers import PeerStore, Peers, catalog, survey
 
-        ranks, folder, found, problem = self.ranks, Path(self.gather_from), None, None
-        if ranks.rank == self.nodes.ranks[node][0]:
-            try:
-                found = survey(folder)
-            except (OSError, ReshardError) as e:
-                problem = f"{self.nodes.name(node)}: cannot list {folder} ({e})"
+        ranks, found, problem = self.ranks, None, None
+        local = None
+        try:
+            local = listing.open_store()
+            if ranks.rank == self.nodes.ranks[node][0]:
+                found = survey(local)
+        except (OSError, ReshardError) as e:
+            problem = f"{self.nodes.name(node)}: cannot list {listing.spec} ({e})"
         views = ranks.exchange("survey", (problem, found))
-        if (failure := agreed([p for p, _ in views], "cannot read the folder to merge")) is not None:
+        if (failure := agreed([p for p, _ in views], "cannot read the folder on its disk")) is not None:
             self.agreed = True
             raise failure
         try:
-            files = catalog([f for _, f in views], str(self.gather_from))
+            files = catalog([f for _, f in views], listing.spec)
         except ReshardError:
             self.agreed = True  # the same listings on every rank: the same error
             raise
-        self.peers = Peers(ranks, folder, self.team, self.nodes)
-        self.store = PeerStore(files, self.peers, node, str(self.gather_from))
+        if self.gather_from is not None:
+            self.peers = Peers(ranks, Path(listing.spec), self.team, self.nodes)
+        self.store = PeerStore(files, local, node, self.nodes, listing.spec, self.peers)
+        self.lock.callback(local.close)
 
     # ---- 1. every rank reads its own node's SRC and builds the job; each team's leader also claims OUT ----------
 

@@ -1,5 +1,6 @@
-"""A merge across nodes (`merge --node-local`): rank files that lie on each node's own disk, read by the ranks of
-node 0 over the job's process group.
+"""A folder that lies, whole or in parts, on each node's own disk: a merge across nodes (`merge --node-local`), whose
+rank files node 0's ranks read over the job's process group, and a node-local write from a local SRC, where each
+node needs only the source files its own ranks' files read.
 
 Each node's first rank lists its copy of the folder (`survey`): every file's size, the header of each
 `.safetensors` file and the whole of each small metadata file. Every rank gets every node's listing, so the
@@ -9,7 +10,9 @@ serves requests until every writer is done (`Peers.serve`). The bytes travel as 
 most `READ_BLOCK` each, so memory stays bounded, and the engine's usual checks apply to them as to any remote
 source: the CRC-32 of each range read is combined and checked against the manifest before DEST is put in place.
 Nodes' copies of a reshard folder (`write --node-local`) each list their own files: their manifests are joined
-into the whole folder's (`reshard.manifest.joined_copies`).
+into the whole folder's (`reshard.manifest.joined_copies`). A node-local write plans from the joined listing too, so
+every node plans the same job, but no node serves another: a file a node's ranks need and its disk lacks stops the
+write, naming the file and the node.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME, joined_copies
@@ -32,21 +36,38 @@ REQUEST_TAG = 1  # a writer's request to a server; the replies to writer w use t
 FAILED = 1
 
 
-def survey(folder: Path) -> dict[str, tuple[int, bytes]]:
+@dataclass(frozen=True)
+class Listing:
+    """A folder each node holds at one path on its own disk: its name in messages, and how a node opens its copy
+    (with the rules of a source, or of a folder of rank files, whose links may point anywhere)."""
+
+    spec: str
+    open_store: Callable[[], LocalStore]
+
+    @classmethod
+    def of_copies(cls, folder) -> "Listing":
+        """Rank files: a node's copy of a reshard folder, or what a training save left on the node."""
+        return cls(str(folder), lambda: LocalStore(Path(folder), links_anywhere=True))
+
+    @classmethod
+    def of_source(cls, spec) -> "Listing":
+        """A local SRC (a folder, a Hugging Face cache snapshot) with the rules `reshard.read.source.locate` gives."""
+        from ..read.source import locate
+
+        return cls(str(spec), lambda: locate(spec).store)
+
+
+def survey(store: LocalStore) -> dict[str, tuple[int, bytes]]:
     """This node's copy: file name -> (size, the header of a `.safetensors` file or the whole of a small file)."""
-    store = LocalStore(Path(folder), links_anywhere=True)
     found = {}
-    try:
-        for name in store.names():
-            size = store.size(name)
-            if name.endswith(".safetensors"):
-                length = int.from_bytes(store.read(name, 0, 8), "little") if size >= 8 else 0
-                # as much as a remote header read asks for first (HEADER_PROBE), so reading SRC needs no request
-                found[name] = (size, store.read(name, 0, min(size, max(8 + min(length, HEADER_LIMIT), HEADER_PROBE))))
-            else:
-                found[name] = (size, store.read(name, 0, size) if size <= WHOLE_LIMIT else b"")
-    finally:
-        store.close()
+    for name in store.names():
+        size = store.size(name)
+        if name.endswith(".safetensors"):
+            length = int.from_bytes(store.read(name, 0, 8), "little") if size >= 8 else 0
+            # as much as a remote header read asks for first (HEADER_PROBE), so reading SRC needs no request
+            found[name] = (size, store.read(name, 0, min(size, max(8 + min(length, HEADER_LIMIT), HEADER_PROBE))))
+        else:
+            found[name] = (size, store.read(name, 0, size) if size <= WHOLE_LIMIT else b"")
     return found
 
 
@@ -198,15 +219,16 @@ class Peers:
 
 
 class PeerStore(Store):
-    """The joined folder as node 0's writers read it: own disk first, then the listing, then a peer node (whose
-    ranks serve in two rounds: while the writers read SRC, and while they write)."""
+    """The joined folder as a node's writers read it: own disk first, then the listing, then, gathering, a peer node
+    (whose ranks serve in two rounds: while the writers read SRC, and while they write)."""
 
-    def __init__(self, files: dict[str, Holding], peers: Peers, node: int, spec: str):
-        self.files, self.peers, self.node = files, peers, node
+    def __init__(self, files: dict[str, Holding], local: LocalStore, node: int, nodes, spec: str,
+                 peers: Peers | None = None):
+        self.files, self.local, self.node, self.nodes, self.peers = files, local, node, nodes, peers
         self.location = spec
         self.remote = True
-        self.local = LocalStore(peers.folder, links_anywhere=True)
-        peers.names = sorted(files)
+        if peers is not None:
+            peers.names = sorted(files)
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self.files))
@@ -217,7 +239,7 @@ class PeerStore(Store):
         where = f"{self.location.rstrip('/')}/{name}"
         if holding is None or not holding.nodes or self.node in holding.nodes:
             return where
-        return f"{where} on {self.peers.nodes.name(holding.nodes[0])}"
+        return f"{where} on {self.nodes.name(holding.nodes[0])}"
 
     def _holding(self, name: str) -> Holding:
         if name not in self.files:
@@ -245,8 +267,15 @@ class PeerStore(Store):
             view[:] = holding.head[start:start + len(view)]
         elif self.node in holding.nodes:
             self.local.readinto(name, start, view)
-        else:
+        elif self.peers is not None:
             self.peers.fetch(name, holding, start, view)
+        else:
+            where = f"{self.location.rstrip('/')}/{name}"
+            holders = ", ".join(self.nodes.name(n) for n in holding.nodes)
+            raise CheckpointError(f"{where} is not on {self.nodes.name(self.node)}'s disk, and its ranks' files read "
+                                  f"from it (only {holders} {'holds' if len(holding.nodes) == 1 else 'hold'} it). "
+                                  "Copy it to this node at the same path, or give every node SRC where all can read "
+                                  "it (a shared file system, s3://, the Hub). Nothing was written.", path=where)
 
     def close(self) -> None:
         self.local.close()

@@ -15,7 +15,7 @@ from .staged import removes_made_parents
 @removes_made_parents("out")
 def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: bool | None = None,
             workers: int | None = 1, distributed: bool | None = None, node_local: bool = False,
-            ranks_given: bool = False, gather_from=None):
+            ranks_given: bool = False, gather_from=None, list_from=None):
     """Build the job (`read_job()`) and run it into the folder `out`.
 
     Args:
@@ -25,7 +25,9 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
         overwrite, progress, workers: as for `reshard.write.output.write_output`.
         distributed: run as one rank of a torchrun job (None: when the launcher's environment says so).
         node_local: in a torchrun job, each node writes its own copy (`reshard.write.distributed`).
-        gather_from: in a torchrun job, node 0's ranks write `out` from this folder, on every node's own disk.
+        gather_from: in a torchrun job, node 0's ranks write `out` from this folder (a `reshard.write.peers.Listing`),
+            on every node's own disk.
+        list_from: with `node_local`, a local SRC (a `Listing`) of which each node may hold only what it reads.
         ranks_given: the job holds the files of some ranks only (`--ranks`), which a torchrun job decides itself.
 
     Returns:
@@ -53,7 +55,7 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
             return jobs[-1]
 
         result = write_distributed(build, out, overwrite=overwrite, progress=progress, command=command,
-                                   node_local=node_local, gather_from=gather_from)
+                                   node_local=node_local, gather_from=gather_from, list_from=list_from)
         return (jobs[-1], result) if result is not None else (None, None)
     job = read_job()
     return job, write_output(job, out, overwrite=overwrite, progress=progress, workers=workers)
