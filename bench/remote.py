@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import struct
 import sys
@@ -353,6 +354,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     wheres = ["s3", "local"] + (["direct"] if args.direct else [])
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM still stops the server and removes the files
     work = Path(tempfile.mkdtemp(prefix="reshard-bench-remote-", dir=args.dir))
     wb.CACHE_DIR = work / "layout-cache"
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()}; work folder {work}", flush=True)
