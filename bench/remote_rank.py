@@ -1,0 +1,70 @@
+"""One rank of `bench/remote.py`: `reshard.from_pretrained(FOLDER)` timed, from a local folder or an `s3://` URL.
+
+usage (under torchrun): remote_rank.py FOLDER ARCHITECTURE REPORT_DIR
+
+`bench/load_rank.py` does not fit: it reads the config with `AutoConfig.from_pretrained(FOLDER)`, which cannot read
+an `s3://` URL, and its read counters wrap local file opens only. Here the S3 requests are counted by the server's
+proxy instead: each rank reads as access key `rank{r}`, so the log tells the ranks apart.
+
+Every import (torch, transformers, the model class ARCHITECTURE, reshard's loader, s3fs) and the process group come
+before a barrier, so `load_s` is `from_pretrained` alone, comparable across ranks and between local and S3. Writes
+REPORT_DIR/rank{r}.json: `load_s`, `load_cpu_s` (this process, all threads), `share` (bytes of its local tensors),
+`maxrss_kib` (getrusage: the process's peak RSS), `times` (epoch seconds: process start, imports and process group
+done, around the load, report written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+
+def _process_start() -> float:
+    """Epoch seconds at which this process started (its age from /proc, 10 ms resolution)."""
+    now = time.time()
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    return now - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def main() -> None:
+    folder, architecture, report_dir = sys.argv[1:4]
+    rank = int(os.environ["RANK"])
+    os.environ["AWS_ACCESS_KEY_ID"] = f"rank{rank}"  # read by botocore when the store is opened, after this
+    times = {"process_start": _process_start(), "script_start": time.time()}
+    import torch.distributed as dist
+    import transformers
+
+    import reshard
+    import reshard.load.loader  # noqa: F401  (what from_pretrained imports on first use)
+
+    getattr(transformers, architecture)  # the lazy import of the modeling module, outside the timed load
+    if folder.startswith("s3://"):
+        import s3fs  # noqa: F401
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo")
+    times["imports"] = time.time()
+    dist.barrier()
+    times["load_start"] = time.time()
+    cpu = time.process_time()
+    model = reshard.from_pretrained(folder)  # CRC-32 of every file checked as its bytes pass (the default)
+    times["load_end"] = time.time()
+    cpu = time.process_time() - cpu
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
+    report = {"rank": rank, "load_s": times["load_end"] - times["load_start"], "load_cpu_s": cpu,
+              "share": sum(t.numel() * t.element_size() for t in local),
+              "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "times": times}
+    times["report"] = time.time()
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
