@@ -101,7 +101,8 @@ def _show(result, as_json: bool) -> None:
 
 
 layout_option = click.option(
-    "--layout", "mode", type=click.Choice([m.value for m in LayoutMode]), default=LayoutMode.BALANCED.value, show_default=True,
+    "--layout", "mode", type=click.Choice([m.value for m in LayoutMode]), default=LayoutMode.BALANCED.value,
+    show_default=True,
     help="balanced: split uneven expert tensors on a dim that divides evenly; stock: as transformers does.")
 revision_option = click.option("--revision", metavar="REV", default=None,
                                help="Hub branch, tag or commit (Hub sources only).")

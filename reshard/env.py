@@ -84,7 +84,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"- reshard: {v['reshard']}",
         f"- Python: {report['python']} ({report['platform']})",
-        f"- torch: {v['torch']} (torch.__version__ {t.get('version')}; {cuda}; NCCL {'yes' if t.get('nccl') else 'no'})",
+        f"- torch: {v['torch']} (torch.__version__ {t.get('version')}; {cuda}; "
+        f"NCCL {'yes' if t.get('nccl') else 'no'})",
     ]
     lines += [f"- {name}: {v[name] or 'not installed'}" for name in DISTRIBUTIONS[2:]]
     inside = "inside" if tested["torch"] and tested["transformers"] else "OUTSIDE"

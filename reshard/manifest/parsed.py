@@ -16,7 +16,8 @@ from ..errors import ManifestError, ReshardError, UsageError
 from ..plan.mesh import MeshSpec, ranks_text
 from ..plan.ranks import RankSpans
 from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of
-from .format import DCP_SHARDING_INFO_KEY, MANIFEST_FORMAT, MANIFEST_NAME, REMEDY, SAVED_OFFSETS_KEY, dump_manifest, show
+from .format import (DCP_SHARDING_INFO_KEY, MANIFEST_FORMAT, MANIFEST_NAME, REMEDY, SAVED_OFFSETS_KEY, dump_manifest,
+                     show)
 from .members import open_member
 from .source_layout import recorded_source_layout
 from .validate import validate_manifest
@@ -203,7 +204,8 @@ def claimed_names(folder, *, with_copied: bool = True) -> tuple[set[str] | None,
         with open_member(folder, MANIFEST_NAME) as f:
             document = json.loads(f.read(MAX_MANIFEST_BYTES))
     except FileNotFoundError:
-        return None, f"it holds {_some(sorted(os.listdir(folder)))} and no {MANIFEST_NAME}, so it is not a reshard output"
+        return None, (f"it holds {_some(sorted(os.listdir(folder)))} and no {MANIFEST_NAME}, so it is not a reshard "
+                      "output")
     except (OSError, ValueError, ReshardError) as e:
         return None, f"its {MANIFEST_NAME} cannot be read ({e})"
     try:

@@ -271,8 +271,8 @@ def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = L
     if mesh.ep > 1 and not experts:
         raise MeshError(f"--ep {mesh.ep}: {layout.model_type} has no expert-parallel tensors; use --ep 1.")
     if mesh.ep > 1 and not layout.expert_parallel:
-        raise MeshError(f"--ep {mesh.ep}: transformers has no expert-parallel plan for {layout.model_type} (its experts "
-                        "are sharded by FSDP only); use --ep 1.")
+        raise MeshError(f"--ep {mesh.ep}: transformers has no expert-parallel plan for {layout.model_type} (its "
+                        "experts are sharded by FSDP only); use --ep 1.")
     for tensor in experts:
         if mesh.ep > 1 and tensor.shape[0] % mesh.ep:
             raise MeshError(f"{tensor.name}: num_experts ({tensor.shape[0]}) is not divisible by ep ({mesh.ep}); "
@@ -309,11 +309,15 @@ class FamilySummary:
 
     @property
     def stock_empty(self) -> tuple[int, ...]:
-        return tuple(i for i, n in enumerate(self.stock_rows) if n == 0) if self.stock.kind is not Kind.REPLICATED else ()
+        if self.stock.kind is Kind.REPLICATED:
+            return ()
+        return tuple(i for i, n in enumerate(self.stock_rows) if n == 0)
 
     @property
     def planned_empty(self) -> tuple[int, ...]:
-        return tuple(i for i, n in enumerate(self.planned_rows) if n == 0) if self.planned.kind is not Kind.REPLICATED else ()
+        if self.planned.kind is Kind.REPLICATED:
+            return ()
+        return tuple(i for i, n in enumerate(self.planned_rows) if n == 0)
 
 
 def _rows(plan: TensorPlan, mesh: MeshSpec, stock: bool) -> tuple[int, ...]:

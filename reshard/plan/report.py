@@ -163,7 +163,8 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
     if dense_empty:
         lines += ["", "dense tensors with empty locals (loaded with explicit empty markers; FSDP handles these):"]
         for f in dense_empty:
-            lines.append(f"  {f.pattern}  {list(f.shape)} ({plural(f.count, 'tensor')})  {_rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED)}")
+            rank_map = _rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED)
+            lines.append(f"  {f.pattern}  {list(f.shape)} ({plural(f.count, 'tensor')})  {rank_map}")
     if plan.quantization is not None:
         q = quantization_summary(plan)
         families = q["dequantized_families"]

@@ -84,9 +84,9 @@ class RemoteStore(Store):
                 time.sleep(delay)
                 delay *= 2
         tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-        raise CheckpointError(f"{where}: {what} failed after {tries} ({type(last).__name__}: {str(last)[:300]}). Check the "
-                              "endpoint, the credentials and the network, then run the command again. Nothing was "
-                              "kept.", path=where) from last
+        raise CheckpointError(f"{where}: {what} failed after {tries} ({type(last).__name__}: {str(last)[:300]}). Check "
+                              "the endpoint, the credentials and the network, then run the command again. Nothing "
+                              "was kept.", path=where) from last
 
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:

@@ -2,10 +2,11 @@
 
 A run is a stretch contiguous in the source and in the output (`reshard.runs.byte_runs`); an output file of a
 remote source may need thousands, one per expert row block. Sorted by source offset, the runs of one file that lie
-close together (gaps of at most `GAP` bytes and a quarter of the bytes the request serves, or of `MIN_GAP`) are fetched in one
-request of at most `READ_BLOCK` bytes, `PREFETCH` at once, and written where each belongs. Memory holds the requests in flight, never a tensor. The output CRC-32 is
-combined from each run's own CRC-32 in output order (`crc32_combine`), since the runs arrive in source order; the
-same CRC-32s are the ranges a reshard folder's files are checked with (`reshard.runs.source_check`).
+close together (gaps of at most `GAP` bytes and a quarter of the bytes the request serves, or of `MIN_GAP`) are
+fetched in one request of at most `READ_BLOCK` bytes, `PREFETCH` at once, and written where each belongs. Memory
+holds the requests in flight, never a tensor. The output CRC-32 is combined from each run's own CRC-32 in output
+order (`crc32_combine`), since the runs arrive in source order; the same CRC-32s are the ranges a reshard folder's
+files are checked with (`reshard.runs.source_check`).
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
     """
     engine = Engine(index, progress, source_crcs)
     files, paths = [], []
-    last: tuple = (None, None)  # (boxes of every kind, its files' layouts) of the coordinate before: equal boxes, equal files
+    # (boxes of every kind, its files' layouts) of the coordinate before: equal boxes, equal files
+    last: tuple = (None, None)
     try:
         for coord in coords:
             key = coordinate_key(plan, coord)
