@@ -135,11 +135,16 @@ def test_each_rank_checks_its_own_files(tiny, tmp_path):
     data = victim.read_bytes()
     victim.write_bytes(data[:-100])
     assert _check_own_files(manifest, 0) is None
-    assert _check_own_files(manifest, 1) == "shard-00002-model-00001-of-00001.safetensors is missing"
+    assert _check_own_files(manifest, 1).startswith("shard-00002-model-00001-of-00001.safetensors is missing: the "
+                                                    "folder lost a file")  # the other ranks' files are there
     assert _check_own_files(manifest, 2) == (f"shard-00003-model-00001-of-00001.safetensors has {len(data) - 100} "
                                              f"bytes, the manifest says {len(data)}")
     victim.write_bytes(b"\xff" * 8 + data[8:])  # same size, a length prefix past the file
     assert "the header length prefix says" in _check_own_files(manifest, 2)
+    for name in ("shard-00001-model-00001-of-00001.safetensors", victim.name,
+                 "shard-00004-model-00001-of-00001.safetensors"):
+        (out / name).unlink()  # now only what rank 1's node would hold, without rank 1's file: a node's copy
+    assert "not the files of this node's ranks 1" in _check_own_files(manifest, 1)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])

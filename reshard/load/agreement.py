@@ -53,8 +53,11 @@ def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
                 return f"{name} has {size} bytes, the manifest says {entry.bytes}"
             problems = header_problems(entry, manifest.chunks(entry), header_of(store, name))
         except FileNotFoundError:
-            return _node_lacks(manifest, rank, f"lacks files its ranks load (`reshard verify {manifest.where}` lists "
-                                               "them)")
+            if _lost_not_staged(manifest, store, rank):  # a whole folder that lost a file
+                return (f"{name} is missing: the folder lost a file since it was written. Write it again, or copy "
+                        "the file back from a whole copy")
+            return _node_lacks(manifest, rank, f"lacks the files its ranks load (`reshard verify {manifest.where}` "
+                                               "lists them)")
         except (ReshardError, OSError) as e:
             return str(e)
         if problems:
@@ -62,12 +65,27 @@ def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
     return None
 
 
+def _node_ranks(rank: int) -> RankSpans:
+    """This node's ranks, from torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE (this rank alone without them)."""
+    local, size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return RankSpans.of(range(rank - local, rank - local + size))
+
+
+def _lost_not_staged(manifest: Manifest, store, rank: int, probes: int = 64) -> bool:
+    """Whether a missing file was lost from a whole folder rather than never copied to this node: this node runs
+    every rank, or the folder holds files of ranks off this node (a few probed)."""
+    mine = {r for first, last in _node_ranks(rank) for r in range(first, last + 1)}
+    if len(mine) >= manifest.mesh.world_size:
+        return True
+    others = (r for r in range(manifest.mesh.world_size) if r not in mine)
+    names = (name for r in others for name in manifest.files_of_rank(r))
+    return any(store.exists(name) for _, name in zip(range(probes), names))
+
+
 def _node_lacks(manifest: Manifest, rank: int, what: str) -> str:
     """Why this node cannot load, and the commands that would give it its ranks' files: the same text on each of
     the node's ranks (torchrun's RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), so they are named together."""
-    local, size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    first = rank - local
-    spans = RankSpans.of(range(first, first + size))
+    spans = _node_ranks(rank)
     node = f"node {os.environ['GROUP_RANK']} ({socket.gethostname()})" if "GROUP_RANK" in os.environ else \
         socket.gethostname()
     where = manifest.where
