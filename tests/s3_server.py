@@ -197,8 +197,9 @@ class S3Server:
                     server._start_weed(t0 + timeout)
                     break
                 except S3ServerError:
-                    if attempt == 2 or time.monotonic() > t0 + timeout or "address already in use" not in \
-                            server.weed_output(lines=None).lower():
+                    taken = "address already in use" in server.weed_output(lines=None).lower()
+                    crashed = server.proc is not None and (server.proc.returncode or 0) < 0  # seen once: SIGSEGV
+                    if attempt == 2 or time.monotonic() > t0 + timeout or not (taken or crashed):
                         raise
             server._start_proxy()
         except BaseException:
