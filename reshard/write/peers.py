@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME, joined_copies
 from ..manifest.format import dump_manifest
-from ..read.checkpoint import json_document
+from ..read.safetensors_header import json_document
 from ..read.store import READ_BLOCK, LocalStore, Store
 from .ranks import POLL_S, Agreed, Stopped
 
