@@ -276,8 +276,8 @@ def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> tuple[list, l
 
     from reshard.read import checkpoint, experts
 
-    targets = [(checkpoint, "_checked_file_names"), (checkpoint, "read_header"), (cml, "dot_natural_key"),
-               (cml, "rename_source_key"), (experts, "_compose"), (experts, "expert_param_names")]
+    targets = [(checkpoint, "_checked_file_names"), (checkpoint, "header_of"), (cml, "dot_natural_key"),
+               (cml, "rename_source_key"), (experts, "compose_pieces"), (experts, "expert_param_names")]
     spent = {f"{mod.__name__}.{name}": [0.0, 0] for mod, name in targets if hasattr(mod, name)}
     originals = {}
 

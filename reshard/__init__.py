@@ -26,7 +26,7 @@ _EXPORTS = {
     "patch_transformers": "load.patch",
     "unpatch_transformers": "load.patch",
     "StorageReader": "load.storage",
-    "shard_placement_fn": "load.storage",
+    "shard_placement_fn": "load.shard_placement",
     "materialize_meta_": "load.materialize",
     "meta_only_to_empty": "load.materialize",
     "patch_to_empty": "load.materialize",

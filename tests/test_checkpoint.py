@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reshard.read.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, parse_header, read_header
+from reshard.read.checkpoint import INDEX_NAME
+from reshard.read.safetensors_header import MAX_HEADER_BYTES, parse_header, read_header
 from reshard.read.source import read_checkpoint
 from reshard.errors import CheckpointError, ReshardError
 

@@ -23,7 +23,7 @@ from reshard.errors import MeshError, VerifyError
 from reshard.manifest import dcp_metadata
 from reshard.plan.mesh import MeshSpec
 from reshard.api import verify
-from reshard.read.checkpoint import read_header
+from reshard.read.safetensors_header import read_header
 
 from conftest import file_chunks
 

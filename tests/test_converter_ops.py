@@ -1,4 +1,4 @@
-"""The converter ops transformers 5.24 added, as `reshard.read.experts._compose` takes or refuses them.
+"""The converter ops transformers 5.24 added, as `reshard.read.converter_ops.compose_pieces` takes or refuses them.
 
 reshard matches ops by class name, so these tests build converters with stand-in ops of the same names: they run on
 every tested transformers (on 5.23 the classes do not exist), and the breadth matrix runs the real ones on 5.24.
@@ -13,7 +13,7 @@ import pytest
 
 from reshard.errors import ArchitectureError, ReshardError
 from reshard.plan.layout import Piece
-from reshard.read.experts import _compose
+from reshard.read.converter_ops import compose_pieces
 
 
 def _op(name: str, **fields):
@@ -36,7 +36,8 @@ def _compose_one(target_shape, source_shape, op, sources=("lm_head.weight",), ta
     converter = _Converter(list(sources), list(targets), [op])
     index = _index(**{sources[0]: source_shape})
     groups = {sources[0]: [sources[0]]}
-    return _compose("lm_head.weight", target_shape, groups, {p: converter for p in sources}, index, "inkling2_text")
+    by_pattern = {p: converter for p in sources}
+    return compose_pieces("lm_head.weight", target_shape, groups, by_pattern, index, "inkling2_text")
 
 
 def test_unpad_vocab_is_the_source_itself_when_it_stores_exactly_the_models_rows():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.read.checkpoint import read_header
+from reshard.read.safetensors_header import read_header
 from reshard.demo import run_demo
 from reshard.manifest import read_manifest
 

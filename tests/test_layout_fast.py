@@ -66,7 +66,8 @@ def meta_model(model_type: str):
 
 def index_of(state: dict, model_type: str, seed: int = 0):
     """A `CheckpointIndex` holding `state`'s names, dtypes and shapes, in a shuffled order."""
-    from reshard.read.checkpoint import CheckpointIndex, TensorEntry
+    from reshard.read.checkpoint import CheckpointIndex
+    from reshard.read.safetensors_header import TensorEntry
 
     items = list(state.items())
     random.Random(seed).shuffle(items)
@@ -119,7 +120,7 @@ def _types():
 @pytest.mark.parametrize("layout", breadth.LAYOUTS)
 @pytest.mark.parametrize("model_type", _types())
 def test_fast_layout_equals_full_layout(model_type, layout, monkeypatch):
-    from reshard.read.experts import _indices_are_opaque
+    from reshard.read.key_templates import indices_are_opaque
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     model = meta_model(model_type)
@@ -128,8 +129,8 @@ def test_fast_layout_equals_full_layout(model_type, layout, monkeypatch):
     index = index_of(on_disk(model, layout), model_type)
     (full, full_renamed, again), (fast, fast_renamed, _) = both_layouts(model, index, monkeypatch)
     assert fast == full
-    opaque = _indices_are_opaque(get_model_conversion_mapping(model, None, None), model.base_model_prefix,
-                                 model.state_dict())
+    opaque = indices_are_opaque(get_model_conversion_mapping(model, None, None), model.base_model_prefix,
+                                model.state_dict())
     assert opaque == (model_type not in KEY_BY_KEY)
     assert full_renamed == set(index.tensors)
     if opaque:  # the shortcut applied: per template, one key to learn the rule and one per index to check it
@@ -184,8 +185,8 @@ KEYS = [f"blocks.{layer}.experts.{e}.w" for layer in range(5) for e in range(4)]
 
 
 def _by_template(rename):
-    """`_rename_by_template` over KEYS, and how many times it called `rename`."""
-    from reshard.read.experts import _rename_by_template
+    """`rename_by_template` over KEYS, and how many times it called `rename`."""
+    from reshard.read.key_templates import rename_by_template
 
     meta_state = {rename(k)[0] for k in KEYS}
     calls = []
@@ -194,7 +195,7 @@ def _by_template(rename):
         calls.append(key)
         return rename(key)
 
-    out, _ = _rename_by_template(KEYS, counted, counted, meta_state)
+    out, _ = rename_by_template(KEYS, counted, counted, meta_state)
     return out, len(calls)
 
 
@@ -229,18 +230,18 @@ def test_index_agnostic_renaming_is_learnt_from_few_keys(rename):
 def test_index_specific_patterns_are_recognised(pattern, opaque):
     from transformers.core_model_loading import WeightRenaming
 
-    from reshard.read.experts import _indices_are_opaque
+    from reshard.read.key_templates import indices_are_opaque
 
-    assert _indices_are_opaque([WeightRenaming(pattern, "y")], "model", {}) is opaque
+    assert indices_are_opaque([WeightRenaming(pattern, "y")], "model", {}) is opaque
 
 
 def test_a_prefix_ambiguous_state_dict_is_renamed_key_by_key():
-    from reshard.read.experts import _indices_are_opaque
+    from reshard.read.key_templates import indices_are_opaque
 
-    assert _indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.1.w": 0, "model": 0})
-    assert not _indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.0.w": 0})
-    assert not _indices_are_opaque([], "model", {"model.model.layers.0.w": 0, "layers.0.w": 0})
-    assert not _indices_are_opaque([], "model", {"model_layers.0.w": 0, "layers.0.w": 0})  # `^model.` is a regex
+    assert indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.1.w": 0, "model": 0})
+    assert not indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.0.w": 0})
+    assert not indices_are_opaque([], "model", {"model.model.layers.0.w": 0, "layers.0.w": 0})
+    assert not indices_are_opaque([], "model", {"model_layers.0.w": 0, "layers.0.w": 0})  # `^model.` is a regex
 
 
 # ---- the garbage collector around a cache miss --------------------------------------------------------------------

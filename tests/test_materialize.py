@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from reshard.load import materialize as mat
+from reshard.load import replacement
 from reshard.errors import ReshardError
 from reshard.load.materialize import (
     MaterializeReport,
@@ -186,17 +187,17 @@ def test_materialize_meta_is_idempotent():
     ("cuda:0", "cpu", False),
 ])
 def testsame_device_normalises_names(monkeypatch, tensor_device, target, same):
-    monkeypatch.setattr(mat, "_current_index", lambda device_type: {"cuda": 1}.get(device_type, 0))
-    assert mat.same_device(torch.device(tensor_device), target) is same
+    monkeypatch.setattr(replacement, "_current_index", lambda device_type: {"cuda": 1}.get(device_type, 0))
+    assert replacement.same_device(torch.device(tensor_device), target) is same
 
 
 def testsame_device_with_both_indices_does_not_ask_for_the_current_device(monkeypatch):
     def current(device_type):
         raise AssertionError("the current device was looked up")
 
-    monkeypatch.setattr(mat, "_current_index", current)
-    assert mat.same_device(torch.device("cuda", 0), "cuda:1") is False
-    assert mat.same_device(torch.device("cuda", 1), torch.device("cuda", 1)) is True
+    monkeypatch.setattr(replacement, "_current_index", current)
+    assert replacement.same_device(torch.device("cuda", 0), "cuda:1") is False
+    assert replacement.same_device(torch.device("cuda", 1), torch.device("cuda", 1)) is True
 
 
 def block_with_real_parameter() -> Block:
@@ -209,7 +210,7 @@ def block_with_real_parameter() -> Block:
 
 
 def test_real_tensors_elsewhere_are_moved_with_their_values(monkeypatch, poisoned_empty_like):
-    monkeypatch.setattr(mat, "same_device", lambda tensor_device, target: False)  # every real tensor is elsewhere
+    monkeypatch.setattr(replacement, "same_device", lambda tensor_device, target: False)  # every real tensor elsewhere
     block = block_with_real_parameter()
     bias, counts, real = block.router.expert_bias, block.router.counts, block.router.real
     report = materialize_meta_(block, "cpu")
@@ -231,7 +232,7 @@ def test_real_tensors_elsewhere_are_moved_with_their_values(monkeypatch, poisone
 
 
 def test_to_empty_moves_a_buffer_made_elsewhere(monkeypatch):
-    monkeypatch.setattr(mat, "same_device", lambda tensor_device, target: False)
+    monkeypatch.setattr(replacement, "same_device", lambda tensor_device, target: False)
     block = meta_block()
     with meta_only_to_empty():
         block.to_empty(device="cpu")

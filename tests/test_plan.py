@@ -28,7 +28,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from reshard.plan.dtypes import DTYPE_BITS
-from reshard.read.checkpoint import read_header
+from reshard.read.safetensors_header import read_header
 from reshard.errors import MeshError
 from reshard.plan.layout import ModelLayout, Piece, Role, TargetTensor
 from reshard.plan.mesh import MeshSpec

@@ -32,10 +32,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import reshard.write.durable as durable
 import reshard.write.shards as write_module
 import reshard.write.staged as staged
 from reshard.api import plan_checkpoint, write_checkpoint
-from reshard.read.checkpoint import METADATA_PATTERNS, parse_header
+from reshard.read.checkpoint import METADATA_PATTERNS
+from reshard.read.safetensors_header import parse_header
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
 from reshard.plan.mesh import MeshSpec
@@ -319,7 +321,7 @@ def use_mode(monkeypatch, mode: str) -> None:
     if mode == "renames":  # a kernel or file system without RENAME_EXCHANGE
         monkeypatch.setattr(staged, "exchange", lambda a, b: False)
     else:
-        assert staged.renameat2() is not None, "this test needs Linux renameat2"
+        assert durable.renameat2() is not None, "this test needs Linux renameat2"
 
 
 @pytest.mark.parametrize("how", ["KeyboardInterrupt", "SIGTERM"])

@@ -15,7 +15,8 @@ from pathlib import Path
 from ..errors import LoadError, ReshardError
 from ..launch import group_exists, group_owned, in_distributed_job
 from ..manifest import MANIFEST_NAME, Manifest, coverage_problems, header_problems, read_manifest
-from ..read.checkpoint import header_of, torch_dtype
+from ..read.checkpoint import torch_dtype
+from ..read.safetensors_header import header_of
 from .agreement import agree_to_load, check_copied
 from .patch import active_manifest, install, uninstall_unless_user
 

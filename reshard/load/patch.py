@@ -230,7 +230,7 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
     import torch
     import transformers.modeling_utils as mu
 
-    from .materialize import same_device
+    from .replacement import same_device
 
     original = _originals[(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device")]
     if (mu.is_deepspeed_zero3_enabled() and hf_quantizer is None) or (

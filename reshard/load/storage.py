@@ -1,5 +1,5 @@
-"""Load a reshard folder wherever `torch.distributed.checkpoint` loads: a DCP storage reader, and the FSDP2
-placement function that makes a hand-built model match the folder.
+"""Load a reshard folder wherever `torch.distributed.checkpoint` loads: a DCP storage reader (the FSDP2 placement
+function that makes a hand-built model match the folder is `reshard.load.shard_placement`).
 
     model = ...                                    # meta, EP and fully_shard(..., shard_placement_fn=
     model.to_empty(device="cuda")                  #     reshard.shard_placement_fn(OUT, model))
@@ -8,9 +8,8 @@ placement function that makes a hand-built model match the folder.
 `StorageReader` is torch's `HuggingFaceStorageReader` (a reshard folder is a DCP-safetensors folder) with two
 changes:
 
-- Metadata comes from `reshard.json`: every chunk follows from a tensor's placement and a coordinate
-  (`plan.local_box`), so no rank opens any file's header to plan. Chunk lists are built once per distinct
-  (shape, placement) and shared by the tensors that have it, so metadata grows with tensors plus coordinates.
+- Metadata comes from `reshard.json` (`reshard.load.chunk_map`): every chunk follows from a tensor's placement and a
+  coordinate, so no rank opens any file's header to plan, and metadata grows with tensors plus coordinates.
 - `read_data` reads, for each requested chunk, only its byte range, from the file of this rank's own coordinate
   whenever that coordinate holds the chunk (every rank holds its replicated buffers, so they come from its own
   file too), with `readinto` into the destination when it is host memory of the file's dtype and the range is
@@ -26,14 +25,13 @@ say which was which; `reshard verify OUT` checks everything.
 
 from __future__ import annotations
 
-import bisect
-import math
 import os
 import struct
-from collections.abc import Mapping
 
-from ..read.checkpoint import MAX_HEADER_BYTES, FileHeader, parse_header, torch_dtype
+from ..read.checkpoint import torch_dtype
+from ..read.safetensors_header import MAX_HEADER_BYTES, FileHeader, parse_header
 from ..errors import LoadError, ReshardError
+from .chunk_map import ChunkMap, own_coord
 from .local_read import BackgroundCrc, Staging, fill, read_tensor
 from ..manifest import MANIFEST_NAME, Manifest, header_problems, read_manifest
 from ..runs.byte_runs import row_major_strides
@@ -48,54 +46,6 @@ def _open(store, name: str):
     if it is a regular file, and the open never blocks on a FIFO; a remote one read in large ranges
     (`reshard.read.store.RangeFile`)."""
     return store.open(name)
-
-
-class _KindChunks:
-    """The distinct non-empty chunks of one (shape, placement) over every coordinate, and which coordinates hold
-    each (a replicated tensor: one chunk, every coordinate)."""
-
-    def __init__(self, shape: tuple[int, ...], placement, mesh):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        from ..plan.placement import coordinate_boxes
-
-        self.holders: dict[tuple[int, ...], list[int]] = {}  # offsets -> coordinates holding that chunk
-        self.sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
-        sizes = self.sizes
-        for coord, box in enumerate(coordinate_boxes(shape, placement, mesh)):  # O(coordinates) per kind
-            if any(n == 0 for _, n in box) and math.prod(shape):
-                continue  # an empty marker: nothing to read from it
-            offsets = tuple(o for o, _ in box)
-            self.holders.setdefault(offsets, []).append(coord)
-            sizes[offsets] = tuple(n for _, n in box)
-        self.chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in sizes.items()]
-
-
-class _ChunkFiles(Mapping):
-    """`Metadata.storage_data` without a tensors x coordinates table: `MetadataIndex(fqn, offsets)` -> the file
-    that holds the chunk, this rank's own coordinate first. Computed on lookup."""
-
-    def __init__(self, reader: "StorageReader"):
-        self._reader = reader
-
-    def __getitem__(self, index):
-        from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
-
-        reader = self._reader
-        info = reader.manifest.tensors[index.fqn]
-        size = reader._kind(index.fqn).sizes[tuple(index.offset)]
-        return _HFStorageInfo(reader.store.url(reader._file_of(index.fqn, tuple(index.offset))),
-                              torch.Size(size), torch_dtype(info.dtype))
-
-    def __iter__(self):
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        for name in self._reader.manifest.order:
-            for offsets in self._reader._kind(name).holders:
-                yield MetadataIndex(name, offsets)
-
-    def __len__(self):
-        return sum(len(self._reader._kind(n).holders) for n in self._reader.manifest.order)
 
 
 class StorageReader(HuggingFaceStorageReader):
@@ -145,59 +95,30 @@ class StorageReader(HuggingFaceStorageReader):
             # Not a reshard folder (a save_pretrained distributed checkpoint, torch's own DCP-safetensors output):
             # read it as torch's reader does, metadata from the headers. Its files carry no CRC to check.
             super().__init__(os.fspath(path), thread_count)
-            self.manifest, self.store = None, store
+            self.manifest, self.store, self.chunk_map = None, store, None
             self.check_checksums = False
             self.checked_files, self.unchecked_files = [], []
             return
         manifest = path if isinstance(path, Manifest) else read_manifest(store)  # a ManifestError is a LoadError
         super().__init__(getattr(store, "root", None) or store.location, thread_count)
-        self.manifest, self.store = manifest, store
+        self.manifest, self.store, self.chunk_map = manifest, store, ChunkMap(manifest)
         self.check_checksums = check_checksums
         self.checked_files: list[str] = []
         self.unchecked_files: list[str] = []
-        self._kinds: dict[tuple, _KindChunks] = {}
-        self._own: int | None = None
         self._headers: dict[str, tuple[FileHeader, bytes]] = {}
-        self._position = {name: i for i, name in enumerate(manifest.order)}
-        self._runs: dict[int, tuple[list[int], list]] = {}
-        for entry in sorted(manifest.files, key=lambda e: (e.coord, e.first)):
-            firsts, entries = self._runs.setdefault(entry.coord, ([], []))
-            firsts.append(entry.first)
-            entries.append(entry)
 
     # ---- metadata, from the manifest ---------------------------------------------------------------------------
-
-    def _kind(self, name: str) -> _KindChunks:
-        info = self.manifest.tensors[name]
-        key = (info.shape, info.placement)
-        kind = self._kinds.get(key)
-        if kind is None:
-            kind = self._kinds[key] = _KindChunks(*key, self.manifest.mesh)
-        return kind
 
     def read_metadata(self):
         """DCP `Metadata` for every tensor of the folder, from `reshard.json` alone (no file is opened)."""
         if self.manifest is None:
             return super().read_metadata()
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorProperties, \
-            TensorStorageMetadata
-
-        tensors = {}
-        for name in self.manifest.order:
-            info = self.manifest.tensors[name]
-            dtype = torch_dtype(info.dtype)
-            if dtype is None:
-                raise LoadError(f"{name} is {info.dtype} in {self.manifest.where}, a dtype torch cannot hold.")
-            tensors[name] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype),
-                                                  size=torch.Size(info.shape), chunks=self._kind(name).chunks)
-        metadata = Metadata(state_dict_metadata=tensors, storage_data=_ChunkFiles(self))
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
-        return metadata
+        return self.chunk_map.metadata(self.store, self.load_id)
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if self.manifest is not None:
-            self._own = self._own_coord()
+            self.chunk_map.own = own_coord(self.manifest.mesh)
             self._headers = self._checked_headers()
 
     def _checked_headers(self) -> dict[str, tuple[FileHeader, bytes]]:
@@ -206,7 +127,7 @@ class StorageReader(HuggingFaceStorageReader):
         planner's size mismatch or a wrong tensor. Kept for `_read_file`, so each header is still read once."""
         headers = {}
         for entry in self.manifest.files:
-            if self._own is not None and entry.coord != self._own:
+            if self.chunk_map.own is not None and entry.coord != self.chunk_map.own:
                 continue
             try:
                 with _open(self.store, entry.name) as fh:
@@ -216,24 +137,6 @@ class StorageReader(HuggingFaceStorageReader):
             except ReshardError as e:
                 raise LoadError(str(e)) from e
         return headers
-
-    def _own_coord(self) -> int | None:
-        """This rank's coordinate when the job is the mesh the folder was written for (global ranks), else None."""
-        import torch.distributed as dist
-
-        mesh = self.manifest.mesh
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != mesh.world_size:
-            return None
-        return mesh.coord_of(dist.get_rank())
-
-    def _file_of(self, name: str, offsets: tuple[int, ...]) -> str:
-        holders = self._kind(name).holders.get(offsets)
-        if not holders:
-            raise LoadError(f"{self.manifest.where} holds no chunk of {name} at offsets {list(offsets)}.")
-        coord = self._own if self._own in holders else holders[0]
-        firsts, entries = self._runs[coord]
-        entry = entries[bisect.bisect_right(firsts, self._position[name]) - 1]
-        return entry.name
 
     # ---- data --------------------------------------------------------------------------------------------------
 
@@ -246,7 +149,7 @@ class StorageReader(HuggingFaceStorageReader):
             return super().read_data(plan, planner)
         per_file: dict[str, list] = {}
         for item in plan.items:
-            per_file.setdefault(self._file_of(item.storage_index.fqn, tuple(item.storage_index.offset)),
+            per_file.setdefault(self.chunk_map.file_of(item.storage_index.fqn, tuple(item.storage_index.offset)),
                                 []).append(item)
         names = sorted(per_file)
         threads = min(max(int(self.thread_count), 1), len(names))
@@ -436,62 +339,3 @@ def load_model_state(model, manifest: Manifest, store, *, checksums: bool = True
             problems[rank] = str(exc) if isinstance(exc, ReshardError) else f"{type(exc).__name__}: {exc}"
         raise_if_any(problems)
         raise  # pragma: no cover  (a CheckpointException always names a failing rank)
-
-
-# ---- placements for a hand-built FSDP2 model --------------------------------------------------------------------
-
-def shard_placement_fn(out: str | os.PathLike | Manifest, model=None):
-    """The `shard_placement_fn` to pass to FSDP2's `fully_shard` so a model gets the placements `out` was written
-    for: each tensor the folder splits on a dim other than 0 (balanced expert tensors) gets `Shard(dim)`, every
-    other parameter FSDP2's default `Shard(0)`.
-
-    Pass it to every `fully_shard` call (expert modules on the efsdp mesh, the others and the root on the fsdp
-    mesh), after expert parallelism, if any, has made the expert parameters `Shard(0)` on the ep mesh.
-
-    Args:
-        out: the folder written by `reshard write` (or its parsed `Manifest`).
-        model: the model being sharded, to name each parameter exactly. Without it, a parameter is recognised by
-            its global shape, which must then name one split dim among the folder's tensors of that shape.
-
-    Returns:
-        A function `param -> Shard | None`.
-
-    Raises:
-        LoadError: the manifest cannot be read; when called without `model`, a shape with several split dims.
-
-    Example:
-        >>> fn = reshard.shard_placement_fn(out, model)  # doctest: +SKIP
-        >>> fully_shard(layer.mlp.experts, mesh=expert_mesh["efsdp"], shard_placement_fn=fn)  # doctest: +SKIP
-    """
-    if not isinstance(out, Manifest):
-        from ..read.source import locate
-
-        out = read_manifest(locate(out, outside_links=True).store)  # a ManifestError is a LoadError
-    return _SplitDims(out, model)
-
-
-class _SplitDims:
-    """`shard_placement_fn`'s function: a parameter's split dim by its name in `model`, or by its shape alone."""
-
-    def __init__(self, manifest: Manifest, model):
-        self.manifest, self.model, self.names = manifest, model, {}
-        self.dims = {n: info.placement.shard_dim for n, info in manifest.tensors.items() if not info.is_replicated}
-        self.by_shape: dict[tuple[int, ...], set[int]] = {}
-        for name, dim in self.dims.items():
-            self.by_shape.setdefault(manifest.tensors[name].shape, set()).add(dim)
-
-    def __call__(self, param):
-        from torch.distributed.tensor import Shard
-
-        if self.model is not None:
-            if id(param) not in self.names:  # EP and earlier fully_shard calls replace parameters: look again
-                self.names = {id(p): n for n, p in self.model.named_parameters()}
-            dim = self.dims.get(self.names.get(id(param)))
-        else:
-            found = self.by_shape.get(tuple(param.shape), set())
-            if len(found) > 1:
-                raise LoadError(f"{self.manifest.where} splits tensors of shape {list(param.shape)} on dims "
-                                f"{sorted(found)}: pass the model, reshard.shard_placement_fn(out, model), to tell "
-                                "them apart by name.")
-            dim = next(iter(found), None)
-        return Shard(dim) if dim not in (None, 0) else None

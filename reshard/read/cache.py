@@ -25,7 +25,8 @@ from ..plan.layout import ModelLayout, layout_from_dict, layout_to_dict
 
 # The modules whose code decides what a cached layout holds (reading the index, finding experts, the layout and its
 # JSON form, planning on it) and this one, which decides the key.
-LAYOUT_CODE_MODULES = ("read.checkpoint", "read.quant", "read.experts", "plan.layout", "plan.placement", "read.cache")
+LAYOUT_CODE_MODULES = ("read.checkpoint", "read.safetensors_header", "read.quant", "read.experts", "read.key_templates",
+                       "read.converter_ops", "plan.layout", "plan.placement", "read.cache")
 
 
 @functools.lru_cache(maxsize=1)

@@ -33,7 +33,8 @@ from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY,
                         read_manifest, region_text, tied_from_record)
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, role_of, whole_tensor
 from ..plan.mesh import ranks_text
-from .checkpoint import CheckpointIndex, FileHeader, TensorEntry, copied_files, header_of, read_config
+from .checkpoint import CheckpointIndex, copied_files, read_config
+from .safetensors_header import FileHeader, TensorEntry, header_of
 
 SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 RESHARD, SAVED = "reshard", "saved"

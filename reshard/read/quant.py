@@ -20,7 +20,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
-from .checkpoint import CheckpointIndex, TensorEntry
+from .checkpoint import CheckpointIndex
+from .safetensors_header import TensorEntry
 from ..errors import QuantizationError
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")

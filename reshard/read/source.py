@@ -12,7 +12,8 @@ SRC (and a folder to load) may be:
 
 and, whatever the store, the folder is a checkpoint (safetensors, maybe quantized), a reshard folder (`reshard.json`)
 or a folder saved by `save_pretrained(..., distributed_checkpoint=True)` (`shard-*` files). Every rule about sources
-(which links are followed, what a repo id or a URL is, which special files are refused) lives here or in the store.
+(which links are followed, what a repo id or a URL is, which special files are refused) lives here, in the store,
+or, for the Hub and its cache, in `reshard.read.hub`.
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ from pathlib import Path
 from ..errors import CheckpointError, UsageError
 from ..manifest import MANIFEST_NAME
 from .checkpoint import CheckpointIndex, checkpoint_index
-from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, CachedHubStore, RemoteStore
+from .hub import cache_repo_of, hub_store
+from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, RemoteStore
 from .store import LocalStore, Store
 
 S3_SCHEMES = ("s3://", "s3a://")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
-# Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
-HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
 
 
 class Where(str, Enum):
@@ -202,15 +202,6 @@ def _local(spec: str, path: Path, outside_links: bool = False) -> Location:
     return _located(spec, Where.LOCAL, LocalStore(path, links_anywhere=outside_links))
 
 
-def cache_repo_of(path: Path) -> Path | None:
-    """The repo folder (`models--org--name`) when `path` is a snapshot of the Hugging Face cache, else None."""
-    path = Path(os.path.abspath(path))
-    repo = path.parent.parent
-    if path.parent.name == "snapshots" and repo.name.count("--") >= 2 and (repo / "blobs").is_dir():
-        return repo
-    return None
-
-
 def kind_of(names) -> Kind:
     """A folder's kind from its file names: a manifest makes a reshard folder, rank files a saved one."""
     if MANIFEST_NAME in names:
@@ -256,90 +247,11 @@ def _s3_store(url: str) -> RemoteStore:
 
 
 def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> Location:
-    """A Hub repo: its metadata files are fetched into the cache (small); the weights are downloaded too for a
-    write that does not stream; a plan, or a streaming write, reads headers and data in ranges (cached files
-    locally)."""
-    from .checkpoint import METADATA_PATTERNS
-
-    root = _snapshot(repo_id, revision, allow=list(METADATA_PATTERNS))
-    commit = root.name if root.parent.name == "snapshots" else revision
-    if data and not stream:
-        root = _snapshot(repo_id, commit, allow=[*METADATA_PATTERNS, *_hub_weight_names(root)], weights=True)
-    if data and not stream or not stream and _weights_cached(root, some=_offline()):
-        repo = cache_repo_of(root)
-        store = LocalStore(root, link_root=repo, cache_repo=repo) if repo else LocalStore(root)
+    """A Hub repo (`reshard.read.hub`): a cache snapshot, or read in ranges."""
+    store = hub_store(repo_id, revision, stream=stream, data=data)
+    if isinstance(store, LocalStore):
         return Location(repo_id, Where.HUB, kind_of(store.names()), store, revision)
-    from huggingface_hub import HfFileSystem
-
-    remote = RemoteStore(HfFileSystem(), f"{repo_id}@{commit}" if commit else repo_id, f"hf://{repo_id}",
-                         read_options={"cache_type": "none"})
-    store = CachedHubStore(remote, repo_id, commit) if commit else remote
     return Location(repo_id, Where.HUB_STREAM, Kind.CHECKPOINT, store, revision)
-
-
-def _offline() -> bool:
-    """HF_HUB_OFFLINE is set: only the local cache can be read (what it lacks is then named, not fetched)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
-def _snapshot(repo_id: str, revision: str | None, *, allow: list[str], weights: bool = False) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    offline = _offline()
-    ignore = [p for p in HUB_IGNORE if p != "*/*" or not any("/" in w for w in allow)] if weights else list(HUB_IGNORE)
-    try:
-        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, ignore_patterns=ignore))
-    except (LocalEntryNotFoundError, FileNotFoundError) as e:
-        # huggingface_hub refuses a partly cached snapshot the same way as a missing one
-        hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache (or only some of the files it needs are)"
-                if offline else "it could not be reached and is not in the local cache")
-        raise CheckpointError(f"{repo_id}: no local folder of that name, and as a Hub repo id {hint}. Check the "
-                              f"path, download it once with network access (`hf download {repo_id}`), or pass a "
-                              "local folder.", path=repo_id) from e
-    except (RepositoryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
-                              "or pass a local folder.", path=repo_id) from e
-    if weights and not any(p.suffix == ".safetensors" for p in root.iterdir()):
-        why = ("HF_HUB_OFFLINE is set, so only what is already cached can be used" if offline
-               else "the repo may hold no safetensors weights")
-        raise CheckpointError(f"{repo_id}: the snapshot at {root} holds no .safetensors files ({why}). Download "
-                              f"them with `hf download {repo_id}`, or pass a local folder.", path=repo_id)
-    return root
-
-
-def _weights_cached(root: Path, *, some: bool = False) -> bool:
-    """Whether a snapshot already holds every weight file its index names (or, without one, any `*.safetensors`);
-    with `some`, any of them (offline, the snapshot is all there is: reading it names what is missing)."""
-    import json
-
-    from .checkpoint import INDEX_NAME
-
-    if not (root / INDEX_NAME).is_file():
-        return any(p.suffix == ".safetensors" for p in root.iterdir())
-    try:
-        names = set(json.loads((root / INDEX_NAME).read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return True  # an invalid index: reading the snapshot reports it
-    found = [isinstance(n, str) and (root / n).exists() for n in names]
-    return any(found) if some else all(found)
-
-
-def _hub_weight_names(root: Path) -> list[str]:
-    """The weight files a Hub snapshot needs, as exact download patterns: those its index names, or the top-level
-    `*.safetensors` without one. An invalid index yields no names; reading the snapshot then reports it."""
-    import json
-
-    from .checkpoint import INDEX_NAME
-
-    if not (root / INDEX_NAME).exists():
-        return ["*.safetensors"]
-    try:
-        weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
-        names = {name for name in weight_map.values() if isinstance(name, str)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []
-    return sorted(re.sub(r"([*?[])", r"[\1]", name) for name in names)
 
 
 # ---- opening --------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..plan.layout import TargetTensor
 from ..plan.placement import Box, box_is_empty
 from ..plan.dtypes import DTYPE_BITS
-from ..read.checkpoint import TensorEntry
+from ..read.safetensors_header import TensorEntry
 
 
 @dataclass(frozen=True)

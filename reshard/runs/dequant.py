@@ -21,7 +21,8 @@ import numpy as np
 
 from ..read import checkpoint
 from ..plan.dtypes import DTYPE_BITS
-from ..read.checkpoint import CheckpointIndex, TensorEntry
+from ..read.checkpoint import CheckpointIndex
+from ..read.safetensors_header import TensorEntry
 from ..errors import OutputError, QuantizationError
 from ..plan.layout import TargetTensor
 from ..plan.placement import Box, box_is_empty

@@ -25,7 +25,7 @@ from typing import Callable
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME, joined_copies
 from ..manifest.format import dump_manifest
-from ..read.checkpoint import json_document
+from ..read.safetensors_header import json_document
 from ..read.store import HEADER_PROBE, READ_BLOCK, LocalStore, Store
 from .ranks import POLL_S, Agreed, Stopped
 

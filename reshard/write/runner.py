@@ -1,15 +1,54 @@
 """The one way an output job runs: in this process, in `--workers` processes, or as the ranks of a torchrun job.
 
 `write` and `merge` differ only in the job (`reshard.write.output.OutputJob`) their entry point builds; where it runs is
-decided here, from the flags and the launcher's environment, the same way for both.
+decided here, from the flags and the launcher's environment, the same way for both. A run that fails or is
+interrupted also removes the parent folders of OUT it created (`removes_made_parents`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
+from pathlib import Path
+
 from ..errors import UsageError
 from .distributed import use_distributed, write_distributed
 from .output import write_output
-from .staged import removes_made_parents
+
+
+def removes_made_parents(argument: str):
+    """Decorate a writer whose parameter `argument` is its output folder: when it fails or is interrupted, the parent
+    folders of the output it created (those missing before the call, and still empty) are removed again, so a refused
+    write into `small/x/y/out` leaves no empty `x/y` behind."""
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            made = missing_parents(Path(signature.bind(*args, **kwargs).arguments[argument]))
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                for folder in made:  # deepest first; one that is not empty (someone else's now) stays, as all above
+                    try:
+                        os.rmdir(folder)
+                    except OSError:
+                        break
+                raise
+
+        return wrapper
+
+    return decorate
+
+
+def missing_parents(out: Path) -> list[Path]:
+    """The parent folders of `out` that do not exist yet, deepest first."""
+    missing, parent = [], Path(os.path.abspath(out)).parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    return missing
 
 
 @removes_made_parents("out")

@@ -6,19 +6,16 @@ empty or a complete output of that command; one write at a time holds a lock bes
 write are cleaned under that lock; the free space is checked before any byte is written. Files are written into a
 temporary folder beside OUT, fsynced, and the folder is swapped in by an atomic exchange, so OUT is the whole old or
 the whole new folder at every instant; any failure or interruption removes the temporary folder.
+
+The lock itself is `reshard.write.lock`; the fsync and the exchange, with their Linux calls, `reshard.write.durable`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fcntl
-import functools
 import glob
 import os
 import shutil
-import socket
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,10 +27,11 @@ from ..manifest import claimed_names
 from ..plan.report import human_bytes
 from ..read.checkpoint import is_metadata_file
 from ..signals import signals_held
+from .durable import exchange, fsync_files, fsync_path
+from .lock import write_lock
 
 INTERRUPT_CLEANUP_S = 1.0  # an interrupted write removes its temporary folder this long at most, then exits
 TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
-LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
 
 # (temporary folder, OUT) pairs an interrupted write of this process could not remove in time (`remove_within`): the
 # CLI's last line names them instead of saying that nothing was left (`left_behind_text`).
@@ -276,7 +274,7 @@ def left_behind_text() -> str:
     return " ".join(lines)
 
 
-# ---- the lock and the temporaries of earlier writes --------------------------------------------------------------
+# ---- the temporaries of earlier writes ---------------------------------------------------------------------------
 
 def temporaries(out: Path) -> list[Path]:
     # escaped: an OUT named `m*` must not match the temporaries of another OUT's write
@@ -303,84 +301,7 @@ def clean_stale_temporaries(out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _open_lock(path: Path, out: Path) -> int:
-    """The locked fd of `path`, once it is the file at `path` (its last holder may remove it meanwhile)."""
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise OutputError(f"{path}: cannot create the write lock beside {out.name} ({e.strerror or e}); "
-                              "choose a folder you can write to.") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
-            os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                raise OutputError(f"{path}: cannot lock it ({e.strerror or e}); this file system does not support "
-                                  "file locks. Write to another one.") from e
-            who = f" (host {holder[0]}, pid {holder[1]})" if len(holder) == 2 else ""
-            raise OutputError(f"another reshard write{who} is writing {out}; wait for it to finish, or stop it, "
-                              "then run this again. Nothing was changed.") from e
-        try:
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-
-
-@contextmanager
-def write_lock(out: Path):
-    """Hold `.OUT.reshard-lock` (flock, released by the kernel when the process dies) for the whole write.
-
-    Raises:
-        OutputError: another write to `out` holds it (naming its host and pid), or no lock can be taken there.
-    """
-    path = out.parent / f".{out.name}{LOCK_MARK}"
-    fd = _open_lock(path, out)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        try:
-            os.unlink(path)  # still locked: a writer that opened it meanwhile sees it gone and retries
-        except OSError:
-            pass
-        os.close(fd)
-
-
 # ---- putting the folder in place ---------------------------------------------------------------------------------
-
-SYNCFS_FROM_FILES = 64  # from this many files, one syncfs makes them durable (see `fsync_files`)
-
-
-def fsync_files(folder: Path) -> None:
-    """One fsync pass over the finished files: the kernel writes them back together, not one file at a time. With
-    many files (one per coordinate of a large mesh), one `syncfs` of their file system (Linux): the same durability
-    in one journal commit. Measured on ext4: 20,000 files of 2.4 KB took 9.2 s to fsync one by one, 0.4 s so."""
-    paths = list(folder.rglob("*"))
-    if len(paths) >= SYNCFS_FROM_FILES and (syncfs := libc_function("syncfs", ctypes.c_int)) is not None:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            if syncfs(fd) != 0:
-                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(folder))
-        finally:
-            os.close(fd)
-        return
-    for path in sorted(paths):
-        if path.is_file():
-            fsync_path(path)
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 fsync_dir = fsync_path  # a folder's entries are made durable the same way
 
@@ -430,77 +351,3 @@ def _rename_aside_and_in(tmp: Path, out: Path) -> None:
     fsync_dir(out.parent)
     swap_hook("swapped")
     shutil.rmtree(aside, ignore_errors=True)
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-@functools.lru_cache(maxsize=None)
-def libc_function(name: str, *argtypes):
-    """Linux C library's function `name` (errno kept, int result), or None: another platform, or a C library
-    without it (renameat2 needs glibc 2.28)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = list(argtypes)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def renameat2():
-    return libc_function("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Swap the entries at `a` and `b` atomically; False (nothing moved) where the kernel or file system cannot."""
-    fn = renameat2()
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-# ---- parents a refused write created -----------------------------------------------------------------------------
-
-def removes_made_parents(argument: str):
-    """Decorate a writer whose parameter `argument` is its output folder: when it fails or is interrupted, the parent
-    folders of the output it created (those missing before the call, and still empty) are removed again, so a refused
-    write into `small/x/y/out` leaves no empty `x/y` behind."""
-    def decorate(fn):
-        import inspect
-
-        signature = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            made = missing_parents(Path(signature.bind(*args, **kwargs).arguments[argument]))
-            try:
-                return fn(*args, **kwargs)
-            except BaseException:
-                for folder in made:  # deepest first; one that is not empty (someone else's now) stays, as all above
-                    try:
-                        os.rmdir(folder)
-                    except OSError:
-                        break
-                raise
-
-        return wrapper
-
-    return decorate
-
-
-def missing_parents(out: Path) -> list[Path]:
-    """The parent folders of `out` that do not exist yet, deepest first."""
-    missing, parent = [], Path(os.path.abspath(out)).parent
-    while not os.path.lexists(parent) and parent != parent.parent:
-        missing.append(parent)
-        parent = parent.parent
-    return missing

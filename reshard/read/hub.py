@@ -1,0 +1,113 @@
+"""The Hugging Face Hub as a source: cache snapshots, what of a repo is downloaded, and when it is streamed instead.
+
+A repo's metadata files are always fetched into the cache (kilobytes). Its weights are downloaded too for a write that
+does not stream, only the files its index names (`HUB_IGNORE` keeps out second copies such as `original/`); otherwise
+they are read where the cache already has them, or in ranges from the Hub. Offline (`HF_HUB_OFFLINE`) only the cache
+is read, and what it lacks is named. `reshard.read.source` decides that an argument is a repo id; this module serves it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .checkpoint import INDEX_NAME, METADATA_PATTERNS
+from .remote import CachedHubStore, RemoteStore
+from .store import LocalStore, Store
+
+# Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
+HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
+
+
+def cache_repo_of(path: Path) -> Path | None:
+    """The repo folder (`models--org--name`) when `path` is a snapshot of the Hugging Face cache, else None."""
+    path = Path(os.path.abspath(path))
+    repo = path.parent.parent
+    if path.parent.name == "snapshots" and repo.name.count("--") >= 2 and (repo / "blobs").is_dir():
+        return repo
+    return None
+
+
+def hub_store(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> Store:
+    """The store of a Hub repo: its metadata files are fetched into the cache (small); the weights are downloaded too
+    for a write that does not stream. A `LocalStore` of the cache snapshot, unless a plan or a streaming write finds
+    the weights not cached: then a store reading headers and data in ranges (cached files locally).
+
+    Raises:
+        CheckpointError: the repo cannot be fetched, or is not cached while offline (`HF_HUB_OFFLINE`).
+    """
+    root = _snapshot(repo_id, revision, allow=list(METADATA_PATTERNS))
+    commit = root.name if root.parent.name == "snapshots" else revision
+    if data and not stream:
+        root = _snapshot(repo_id, commit, allow=[*METADATA_PATTERNS, *_hub_weight_names(root)], weights=True)
+    if data and not stream or not stream and _weights_cached(root, some=_offline()):
+        repo = cache_repo_of(root)
+        return LocalStore(root, link_root=repo, cache_repo=repo) if repo else LocalStore(root)
+    from huggingface_hub import HfFileSystem
+
+    remote = RemoteStore(HfFileSystem(), f"{repo_id}@{commit}" if commit else repo_id, f"hf://{repo_id}",
+                         read_options={"cache_type": "none"})
+    return CachedHubStore(remote, repo_id, commit) if commit else remote
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE is set: only the local cache can be read (what it lacks is then named, not fetched)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _snapshot(repo_id: str, revision: str | None, *, allow: list[str], weights: bool = False) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = _offline()
+    ignore = [p for p in HUB_IGNORE if p != "*/*" or not any("/" in w for w in allow)] if weights else list(HUB_IGNORE)
+    try:
+        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, ignore_patterns=ignore))
+    except (LocalEntryNotFoundError, FileNotFoundError) as e:
+        # huggingface_hub refuses a partly cached snapshot the same way as a missing one
+        hint = ("HF_HUB_OFFLINE is set and the repo is not in the local cache (or only some of the files it needs are)"
+                if offline else "it could not be reached and is not in the local cache")
+        raise CheckpointError(f"{repo_id}: no local folder of that name, and as a Hub repo id {hint}. Check the "
+                              f"path, download it once with network access (`hf download {repo_id}`), or pass a "
+                              "local folder.", path=repo_id) from e
+    except (RepositoryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"{repo_id}: cannot fetch from the Hub ({e}). Check the repo id and --revision, "
+                              "or pass a local folder.", path=repo_id) from e
+    if weights and not any(p.suffix == ".safetensors" for p in root.iterdir()):
+        why = ("HF_HUB_OFFLINE is set, so only what is already cached can be used" if offline
+               else "the repo may hold no safetensors weights")
+        raise CheckpointError(f"{repo_id}: the snapshot at {root} holds no .safetensors files ({why}). Download "
+                              f"them with `hf download {repo_id}`, or pass a local folder.", path=repo_id)
+    return root
+
+
+def _weights_cached(root: Path, *, some: bool = False) -> bool:
+    """Whether a snapshot already holds every weight file its index names (or, without one, any `*.safetensors`);
+    with `some`, any of them (offline, the snapshot is all there is: reading it names what is missing)."""
+    import json
+
+    if not (root / INDEX_NAME).is_file():
+        return any(p.suffix == ".safetensors" for p in root.iterdir())
+    try:
+        names = set(json.loads((root / INDEX_NAME).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True  # an invalid index: reading the snapshot reports it
+    found = [isinstance(n, str) and (root / n).exists() for n in names]
+    return any(found) if some else all(found)
+
+
+def _hub_weight_names(root: Path) -> list[str]:
+    """The weight files a Hub snapshot needs, as exact download patterns: those its index names, or the top-level
+    `*.safetensors` without one. An invalid index yields no names; reading the snapshot then reports it."""
+    import json
+
+    if not (root / INDEX_NAME).exists():
+        return ["*.safetensors"]
+    try:
+        weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        names = {name for name in weight_map.values() if isinstance(name, str)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return sorted(re.sub(r"([*?[])", r"[\1]", name) for name in names)
