@@ -54,3 +54,16 @@ def test_the_checker_sees_each_broken_rule(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--check", str(tmp_path)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 1 and "6 rule(s) broken" in result.stderr, result.stderr
+
+
+def test_each_package_lists_what_it_exports():
+    """A subpackage exports its modules (`__all__` names every public module, and nothing else); `reshard.manifest`
+    exports names, and each resolves."""
+    import importlib
+
+    for package in ("load", "plan", "read", "runs", "write"):
+        folder = REPO / "reshard" / package
+        public = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+        assert importlib.import_module(f"reshard.{package}").__all__ == public, package
+    manifest = importlib.import_module("reshard.manifest")
+    assert manifest.__all__ and all(hasattr(manifest, name) for name in manifest.__all__)
