@@ -16,7 +16,6 @@ host pid.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
 import shutil
@@ -102,9 +101,12 @@ def _require_namespaces() -> None:
         pytest.fail(f"`unshare --mount --pid` does not work here (no CAP_SYS_ADMIN?): {probe.stderr.strip()}")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: if the test process dies (even by SIGKILL), the node dies too."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _dying_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that the node dies too if the test process dies (even by SIGKILL): util-linux's `setpriv
+    --pdeathsig` execs it. Not a `preexec_fn`: Python code between fork and exec in a process with threads can crash
+    the child."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else cmd
 
 
 def _node_shell(setup: Sequence[NodeSetup]) -> str:
@@ -132,8 +134,8 @@ class _Launch:
         self.procs: list[subprocess.Popen] = []
         try:
             for cmd, (out, err) in zip(cmds, self.outs):
-                self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True,
-                                                   preexec_fn=_die_with_parent))
+                self.procs.append(subprocess.Popen(_dying_with_parent(cmd), stdout=out, stderr=err, env=env,
+                                                   start_new_session=True))
         except BaseException:
             self.kill_all()
             raise

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import http.client
 import itertools
 import os
@@ -129,18 +128,13 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: become a process group leader, and get SIGKILL if the test process dies without
-    running its finalizers (SIGKILL, OOM), so weed never outlives the tests (Linux; elsewhere only the group)."""
-    os.setsid()
-    with contextlib.suppress(Exception):
-        _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-try:  # resolved before any fork: the child only calls it
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _PRCTL = None
+def _dying_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it gets SIGKILL if the test process dies without running its finalizers (SIGKILL, OOM) and
+    weed never outlives the tests: util-linux's `setpriv --pdeathsig` execs it (Linux). Not a `preexec_fn`: Python
+    code between fork and exec in a process with threads (the suite has many) can crash the child before weed runs
+    (seen: exit -11, no output)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else cmd
 
 
 def _xml_error(status: int, code: str | None, resource: str, request_id: str) -> bytes:
@@ -230,8 +224,8 @@ class S3Server:
                # One volume per bucket (a bucket is a collection) instead of 7: buckets per test stay cheap.
                "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1", "WEED_MASTER_VOLUME_GROWTH_COPY_OTHER": "1"}
         with open(d / "weed.log", "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(_dying_with_parent(cmd), cwd=d, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.s3_port = s3
         self._wait_ready(deadline)
 
