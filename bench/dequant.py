@@ -118,16 +118,16 @@ def compute_only(src: str) -> None:
     """Compute every dequantized chunk of the fsdp-8 plan without writing; print the rate per CPU second."""
     import torch
 
-    from reshard.api import read_source
+    from reshard.read.source import open_source
     from reshard.runs.dequant import Dequantizer
-    from reshard.read.experts import find_experts
     from reshard.plan.mesh import MeshSpec
     from reshard.plan.placement import make_plan
     from reshard.plan.files import coordinate_chunks
 
     torch.set_num_threads(1)
-    index = read_source(src, need_data=True)
-    plan = make_plan(find_experts(index), MeshSpec(fsdp=8), quantization=index.quantization)
+    opened = open_source(src)
+    index = opened.index
+    plan = make_plan(opened.model_layout(), MeshSpec(fsdp=8), quantization=index.quantization)
     dequantizer, produced = Dequantizer(index), 0
     start = time.process_time()
     for coord in range(8):

@@ -60,7 +60,7 @@ def main() -> None:
     from reshard.plan.mesh import MeshSpec
     from reshard.tiny import make_tiny_checkpoint
 
-    print(f"| fault | what every rank raises (abridged) | exit codes | seconds to exit, per rank |")
+    print("| fault | what every rank raises (abridged) | exit codes | seconds to exit, per rank |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         src = make_tiny_checkpoint("qwen3_moe", Path(tmp) / "src", experts=args.ranks // 2)

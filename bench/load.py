@@ -356,8 +356,8 @@ def main() -> None:
         print(f"{'stage':48s} " + " ".join(f"{m:>21s}" for m in modes))
         for label in labels:
             print(f"{label:48s} " + " ".join(f"{median([stages(j)[label] for j in jobs[m]]):21.2f}" for m in modes))
-        print(f"\nfrom_pretrained phases (max over ranks, medians over runs, seconds; nested phases are included in "
-              f"their parents):")
+        print("\nfrom_pretrained phases (max over ranks, medians over runs, seconds; nested phases are included in "
+              "their parents):")
         first: dict[str, float] = {}
         depth: dict[str, int] = {}
         for m in modes:

@@ -7,8 +7,8 @@ files, a few MB of disk), with `--ep 8` at fsdp 64, 256, 1024 and 4096, measures
 - chunk lists: `coordinate_chunks` of every coordinate, as the writers build them (one coordinate at a time, each
   when its file is written); before the first byte, a write needs only every coordinate's size
   (`coordinate_sizes`, by tensor kind) and the first coordinate's list;
-- manifest: the document for one file per coordinate, built and serialized (`manifest_document` +
-  `dump_manifest`), its size;
+- manifest: the manifest for one file per coordinate, built and validated (`build_manifest`) and serialized
+  (`Manifest.to_json`), its size;
 - load: what one rank does, parsing the manifest and deriving its own coordinate's chunks;
 - checks: `coverage_problems`, the structural part of `verify` and of the whole-model load;
 - before: the per-coordinate chunk lists as they were built before (every coordinate's boxes of every tensor, for
@@ -47,9 +47,8 @@ def main() -> None:
 
     from plan_scale import GLM46_CONFIG, write_sparse_checkpoint
 
-    from reshard.read.source import read_checkpoint
-    from reshard.read.experts import find_experts
-    from reshard.manifest import Manifest, coverage_problems, dump_manifest, manifest_document
+    from reshard.read.source import open_source
+    from reshard.manifest import Manifest, build_manifest, coverage_problems
     from reshard.plan.mesh import MeshSpec
     from reshard.plan.placement import local_box, make_plan
     from reshard.plan.files import coordinate_chunks, coordinate_sizes
@@ -57,8 +56,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["RESHARD_CACHE_DIR"] = ""  # no layout cache: the layout is built here, once
         fixture = write_sparse_checkpoint(Path(tmp) / "glm46", GLM46_CONFIG)
-        index = read_checkpoint(Path(tmp) / "glm46")
-        layout, layout_s = timed(lambda: find_experts(index))
+        opened = open_source(Path(tmp) / "glm46")
+        index = opened.index
+        layout, layout_s = timed(opened.model_layout)
         print(f"GLM-4.6-shaped headers: {fixture['tensors']} on-disk tensors in {fixture['files']} files; "
               f"{len(layout.tensors)} in-memory tensors; layout built once in {layout_s:.2f} s\n")
         rows = []
@@ -67,7 +67,7 @@ def main() -> None:
             local_box.cache_clear()
             plan, plan_s = timed(lambda: make_plan(layout, mesh))
             first_s = timed(lambda: coordinate_chunks(plan, 0))[1]
-            sizes_s = timed(lambda: coordinate_sizes(plan))[1]  # the write's other step before its first byte
+            sizes, sizes_s = timed(lambda: coordinate_sizes(plan))  # the write's other step before its first byte
             local_box.cache_clear()
             files = []
 
@@ -75,20 +75,20 @@ def main() -> None:
                 for coord in range(mesh.num_coords):
                     chunks = coordinate_chunks(plan, coord)
                     files.append({"coord": coord, "name": f"shard-{coord + 1:05d}-model-00001-of-00001.safetensors",
-                                  "bytes": 0, "crc32": "00000000", "first": 0, "count": len(chunks),
+                                  "bytes": sizes[coord], "crc32": "00000000", "first": 0, "count": len(chunks),
                                   "empty_markers": sum(0 in spec.shape for spec, _, _ in chunks)})
 
             chunks_s = timed(chunk_lists)[1]
-            text, manifest_s = timed(lambda: dump_manifest(manifest_document(plan, index, files)))
+            text, manifest_s = timed(lambda: build_manifest(plan, index, files, where=tmp).to_json())
 
             def load():
                 data = json.loads(text)
-                manifest = Manifest(data, Path(tmp))
+                manifest = Manifest.from_document(data, tmp)
                 return manifest.chunks(manifest.file_entry(manifest.files_of_rank(fsdp - 1)[0]))
 
             own, load_s = timed(load)
             assert len(own) == len(plan.tensors)
-            problems, check_s = timed(lambda: coverage_problems(json.loads(text)))
+            problems, check_s = timed(lambda: coverage_problems(Manifest.from_document(json.loads(text), tmp)))
             assert problems == [], problems[:3]
             raw = local_box.__wrapped__  # the uncached box, as every coordinate's list was built before
 

@@ -212,7 +212,7 @@ def block_with_real_parameter() -> Block:
 def test_real_tensors_elsewhere_are_moved_with_their_values(monkeypatch, poisoned_empty_like):
     monkeypatch.setattr(replacement, "same_device", lambda tensor_device, target: False)  # every real tensor elsewhere
     block = block_with_real_parameter()
-    bias, counts, real = block.router.expert_bias, block.router.counts, block.router.real
+    bias, real = block.router.expert_bias, block.router.real
     report = materialize_meta_(block, "cpu")
     assert set(report.moved) == {"router.expert_bias", "router.counts", "alias"}  # the first name of router.real
     assert report.kept == ()

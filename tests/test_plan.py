@@ -32,7 +32,7 @@ from reshard.read.safetensors_header import read_header
 from reshard.errors import MeshError
 from reshard.plan.layout import ModelLayout, Piece, Role, TargetTensor
 from reshard.plan.mesh import MeshSpec
-from reshard.plan.placement import Kind, LayoutMode, Placement, box_is_empty, chunk, local_box, make_plan, summarize
+from reshard.plan.placement import Kind, Placement, box_is_empty, chunk, local_box, make_plan, summarize
 from reshard.runs.byte_runs import chunk_runs
 
 # ---- torch as the reference ---------------------------------------------------------------------------------------

@@ -29,8 +29,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import reshard.write.durable as durable
 import reshard.write.shards as write_module
