@@ -195,6 +195,16 @@ def assert_nothing_on_any_node(node_dirs, name: str) -> None:
         assert [p.name for p in d.iterdir() if name in p.name] == [], (d, sorted(p.name for p in d.iterdir()))
 
 
+def assert_one_failure(result, found: list[dict], *needles: str) -> list[dict]:
+    """Every agent exited cleanly and every rank failed with one and the same message, holding `needles`, within
+    60 s; the ranks' reports."""
+    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
+    assert {g["exit"] for g in found} == {1} and len({g["stderr"] for g in found}) == 1, [g["stderr"] for g in found]
+    assert all(needle in found[0]["stderr"] for needle in needles), found[0]["stderr"]
+    assert max(g["seconds"] for g in found) < 60
+    return found
+
+
 def test_faults_stop_every_rank_and_leave_nothing(source, disks, tmp_path):
     """A disk that fills mid-write on node 1 and an OUT node 1 cannot write: every rank stops with one message
     within 60 s, and no node keeps a folder or a temporary."""
@@ -202,11 +212,7 @@ def test_faults_stop_every_rank_and_leave_nothing(source, disks, tmp_path):
     ep = MESHES["ep"]
     cases = [{"argv": ["write", str(source), str(mount_at / "full"), *ep, "--node-local", "-q"], "fault": "enospc:2"}]
     result, found = run_cli(cases, disks, tmp_path, timeout=120)
-    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
-    full = found[0]
-    assert {g["exit"] for g in full} == {1} and len({g["stderr"] for g in full}) == 1, [g["stderr"] for g in full]
-    assert "no space left on the device" in full[0]["stderr"], full[0]["stderr"]
-    assert max(g["seconds"] for g in full) < 60
+    full = assert_one_failure(result, found[0], "no space left on the device")
     print(f"disk full on node 1: {max(g['seconds'] for g in full):.1f} s: {full[0]['stderr'].strip()}")
     assert_nothing_on_any_node(node_dirs, "full")
 
@@ -215,11 +221,7 @@ def test_an_out_a_node_cannot_write_stops_every_rank(source, disks, tmp_path):
     mount_at, node_dirs, reports = disks
     cases = [{"argv": ["write", str(source), str(mount_at / "ro"), *MESHES["ep"], "--node-local", "-q"]}]
     result, found = run_cli(cases, disks, tmp_path, timeout=120, setup={1: read_only()})
-    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
-    refused = found[0]
-    assert {g["exit"] for g in refused} == {1} and len({g["stderr"] for g in refused}) == 1, refused
-    assert "node 1 (" in refused[0]["stderr"] and "Read-only file system" in refused[0]["stderr"], refused[0]
-    assert max(g["seconds"] for g in refused) < 60
+    refused = assert_one_failure(result, found[0], "node 1 (", "Read-only file system")
     print(f"read-only OUT on node 1: {max(g['seconds'] for g in refused):.1f} s: {refused[0]['stderr'].strip()}")
     assert_nothing_on_any_node(node_dirs, "ro")
 
@@ -228,10 +230,7 @@ def test_a_disk_too_small_on_one_node_is_refused_before_writing(source, disks, t
     mount_at, node_dirs, reports = disks
     cases = [{"argv": ["write", str(source), str(mount_at / "small"), *MESHES["ep"], "--node-local", "-q"]}]
     result, found = run_cli(cases, disks, tmp_path, timeout=120, setup={1: tmpfs_disk(64 * 1024)})
-    assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
-    refused = found[0]
-    assert {g["exit"] for g in refused} == {1} and len({g["stderr"] for g in refused}) == 1, refused
-    assert "node 1 (" in refused[0]["stderr"] and "free, the output needs" in refused[0]["stderr"], refused[0]
+    refused = assert_one_failure(result, found[0], "node 1 (", "free, the output needs")
     print(f"small disk on node 1: {max(g['seconds'] for g in refused):.1f} s: {refused[0]['stderr'].strip()}")
     assert_nothing_on_any_node(node_dirs, "small")
 

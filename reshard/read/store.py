@@ -49,8 +49,12 @@ class Store:
         raise NotImplementedError
 
     def read(self, name: str, start: int, length: int) -> bytes:
-        """Exactly `length` bytes of `name` from `start` (an error if the file ends first)."""
-        raise NotImplementedError
+        """Exactly `length` bytes of `name` from `start` (an error if the file ends first). A store defines `read` or
+        `readinto` (or both): each defaults to the other, as in `io` (a local file fills a buffer in place, an object
+        store answers one ranged request)."""
+        out = bytearray(length)
+        self.readinto(name, start, memoryview(out))
+        return bytes(out)
 
     def readinto(self, name: str, start: int, view: memoryview) -> None:
         """Fill `view` with the bytes of `name` from `start`."""
@@ -225,11 +229,6 @@ class LocalStore(Store):
                 with open_regular(self.path(name), name) as f:
                     fd = self._fds[name] = os.dup(f.fileno())
             return fd
-
-    def read(self, name: str, start: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.readinto(name, start, memoryview(out))
-        return bytes(out)
 
     def readinto(self, name: str, start: int, view: memoryview) -> None:
         fd, done = self._fd(name), 0

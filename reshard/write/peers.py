@@ -253,11 +253,6 @@ class PeerStore(Store):
         holding = self._holding(name)
         return self.local.local_path(name) if self.node in holding.nodes else None
 
-    def read(self, name: str, start: int, length: int) -> bytes:
-        view = memoryview(bytearray(length))
-        self.readinto(name, start, view)
-        return bytes(view)
-
     def readinto(self, name: str, start: int, view: memoryview) -> None:
         holding = self._holding(name)
         if start + len(view) > holding.size:
