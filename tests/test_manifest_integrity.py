@@ -202,17 +202,23 @@ def test_swapped_data_offsets_with_the_crc_restamped_are_refused_everywhere(writ
     assert code == 1 and said in text and not (tmp_path / "merged").exists(), text
 
 
+def load_errors(folder, src, tmp_path) -> list[dict]:
+    """A 4-rank load of `folder` that must fail: every rank's report, each a LoadError."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    result = run_ranks("load_reshard.py", FSDP, "reshard", folder, src, reports, FSDP, EP, timeout=180, check=False)
+    assert result.returncode != 0
+    found = rank_reports(reports, FSDP)
+    assert all(report["error"].startswith("LoadError") for report in found), found
+    return found
+
+
 @pytest.mark.multirank
 def test_a_flipped_dtype_stops_every_rank_of_a_four_rank_load_with_one_agreed_error(written, tmp_path):
     out, src, _ = written
     folder = copy_folder(out, tmp_path / "flip", real=(VICTIM,))
     name = flip_dtype(folder)
-    reports = tmp_path / "reports"
-    reports.mkdir()
-    result = run_ranks("load_reshard.py", FSDP, "reshard", folder, src, reports, FSDP, EP, timeout=180, check=False)
-    assert result.returncode != 0
-    for report in rank_reports(reports, FSDP):
-        assert report["error"].startswith("LoadError"), report
+    for report in load_errors(folder, src, tmp_path):
         assert f"rank 1: {VICTIM}: {name} is I32 in the header, F32 in the manifest" in report["error"], report
 
 
@@ -347,12 +353,7 @@ def test_config_json_linked_to_dev_zero_stops_every_rank_of_a_four_rank_load(wri
     folder = copy_folder(out, tmp_path / "folder")
     (folder / "config.json").unlink()
     os.symlink("/dev/zero", folder / "config.json")
-    reports = tmp_path / "reports"
-    reports.mkdir()
-    result = run_ranks("load_reshard.py", FSDP, "reshard", folder, src, reports, FSDP, EP, timeout=180, check=False)
-    assert result.returncode != 0
-    for report in rank_reports(reports, FSDP):
-        assert report["error"].startswith("LoadError"), report
+    for report in load_errors(folder, src, tmp_path):
         assert "config.json: a device, not a regular file" in report["error"], report
 
 
