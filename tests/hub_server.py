@@ -33,6 +33,7 @@ class Request:
     path: str  # the file path for resolve requests, else the API path
     range: str | None
     sent: int  # bytes of body sent
+    token: str | None = None  # the client's `Authorization: Bearer` token: who asked (a node's own HF_TOKEN)
 
 
 @dataclass
@@ -91,6 +92,10 @@ def _handler(hub: LocalHub):
         def log_message(self, *args):  # quiet
             pass
 
+        def _token(self):
+            auth = self.headers.get("Authorization") or ""
+            return auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+
         def _json(self, payload, status=200):
             body = json.dumps(payload).encode()
             self.send_response(status)
@@ -131,7 +136,7 @@ def _handler(hub: LocalHub):
         def _api(self, repo, kind, revision, sub):
             commit = hub.commit_of(repo, revision)
             with hub.lock:
-                hub.log.append(Request(self.command, repo, f"api:{kind or 'info'}:{revision}", None, 0))
+                hub.log.append(Request(self.command, repo, f"api:{kind or 'info'}:{revision}", None, 0, self._token()))
             if repo not in hub.repos:
                 return self._error(404, "Repository not found", "RepoNotFound")
             if commit is None:
@@ -158,7 +163,7 @@ def _handler(hub: LocalHub):
             files = hub.repos.get(repo, {}).get(commit or "", {})
             if name not in files:
                 with hub.lock:
-                    hub.log.append(Request(self.command, repo, name, self.headers.get("Range"), 0))
+                    hub.log.append(Request(self.command, repo, name, self.headers.get("Range"), 0, self._token()))
                 return self._error(404, "Entry not found", "EntryNotFound")
             data = files[name]
             start, end, status = 0, len(data) - 1, 200
@@ -171,7 +176,7 @@ def _handler(hub: LocalHub):
             failing = self.command == "GET" and hub.failing.get((repo, name))
             if failing == "dropped":  # after the drop, the server errors until healed
                 with hub.lock:
-                    hub.log.append(Request(self.command, repo, name, wanted, 0))
+                    hub.log.append(Request(self.command, repo, name, wanted, 0, self._token()))
                 return self._error(500, "Internal Error")
             body = data[start:end + 1]
             self.send_response(status)
@@ -192,7 +197,7 @@ def _handler(hub: LocalHub):
                 self.wfile.write(body)
                 sent = len(body)
             with hub.lock:
-                hub.log.append(Request(self.command, repo, name, wanted, sent))
+                hub.log.append(Request(self.command, repo, name, wanted, sent, self._token()))
 
     return Handler
 

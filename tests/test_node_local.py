@@ -438,3 +438,68 @@ def test_each_node_needs_only_the_source_files_it_reads(source, disks, tmp_path)
     assert "experts-2-3.safetensors is not on node 1 (" in message and "Traceback" not in message, message
     print(f"a node without a source file it reads: {max(g['seconds'] for g in found[0]):.1f} s: {message.strip()}")
     assert_nothing_on_any_node(node_dirs, "lacking")
+
+
+# ---- a remote SRC: each node fetches its own share --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide(tiny):
+    """A source whose embedding and head (8 MiB each, 16.8 MB of its 17 MB) are split by rows across the 4 ranks, in
+    pieces far larger than the gaps a remote read would join, so the bytes a node fetches show its share."""
+    return tiny("qwen3_moe", experts=4, vocab_size=32768)
+
+
+def fetched_share(node_dirs, wide: Path, reference: Path, fetched: dict[int, int]) -> None:
+    """Each node's copy is the shared write's, and each node fetched its own share of the source: at least the bytes
+    of its files, and well under the whole (about half, plus the small tensors every rank reads)."""
+    data = sum(p.stat().st_size for p in wide.glob("*.safetensors"))
+    for node in range(NODES):
+        held = assert_node_copy(node_dirs[node] / "out", reference, node)
+        print(f"node {node} fetched {fetched[node]:,} bytes of the source's {data:,} ({fetched[node] / data:.1%}), "
+              f"for a copy of {held:,} bytes")
+        assert held - 4 * 65536 < fetched[node] < 0.6 * data, (node, fetched, data)
+
+
+def test_a_node_local_write_from_s3_fetches_each_nodes_share(s3, wide, disks, tmp_path):
+    """From s3://: each node (its own access key, in the server's log) fetches only the bytes of its own files."""
+    mount_at, node_dirs, _ = disks
+    bucket = s3.new_bucket("nodes")
+    s3.put_folder(wide, f"s3://{bucket}/src")
+    s3.clear_log()
+    reference = tmp_path / "reference"
+    assert CliRunner().invoke(cli, ["write", str(wide), str(reference), *MESHES["ep"], "-q"]).exit_code == 0
+    cases = [{"argv": ["write", f"s3://{bucket}/src", str(mount_at / "out"), *MESHES["ep"], "--node-local", "-q"]}]
+    result, found = run_cli(cases, disks, tmp_path, timeout=240, env=s3.env("nodes"),
+                            setup={k: f"export AWS_ACCESS_KEY_ID=node{k}" for k in range(NODES)})
+    assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
+    fetched = {k: sum(r.sent for r in s3.requests(method="GET", access_key=f"node{k}", prefix="src/")
+                      if r.key.endswith(".safetensors")) for k in range(NODES)}
+    fetched_share(node_dirs, wide, reference, fetched)
+
+
+def test_a_node_local_write_from_the_hub_with_stream_fetches_each_nodes_share(wide, disks, tmp_path):
+    """`--stream` from the Hub (the local Hub; each node its own token, in the server's log): each node reads only its
+    files' ranges, and no weight lands in its cache."""
+    import hub_server
+
+    mount_at, node_dirs, _ = disks
+    hub = hub_server.LocalHub()
+    hub.add_folder("org/wide", wide)
+    server = hub_server.start(hub)
+    try:
+        reference = tmp_path / "reference"
+        assert CliRunner().invoke(cli, ["write", str(wide), str(reference), *MESHES["ep"], "-q"]).exit_code == 0
+        cases = [{"argv": ["write", "org/wide", str(mount_at / "out"), *MESHES["ep"], "--node-local", "--stream",
+                           "-q"]}]
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(mount_at / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_CACHE": str(mount_at / "hf" / "hub")}
+        result, found = run_cli(cases, disks, tmp_path, timeout=240, env=env,
+                                setup={k: f"export HF_TOKEN=node{k}" for k in range(NODES)})
+    finally:
+        server.shutdown()
+    assert [g["exit"] for g in found[0]] == [0] * 4, [g["stderr"] for g in found[0]]
+    fetched = {k: sum(r.sent for r in hub.log if r.token == f"node{k}" and r.method == "GET"
+                      and r.path.endswith(".safetensors")) for k in range(NODES)}
+    for d in node_dirs:
+        assert not list((d / "hf").rglob("*.safetensors")), sorted((d / "hf").rglob("*"))
+    fetched_share(node_dirs, wide, reference, fetched)

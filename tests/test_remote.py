@@ -101,6 +101,28 @@ def test_a_parallel_write_from_s3_is_the_same_bytes(s3, uploaded, tmp_path, how)
     same_folders(out, tmp_path / "local")
 
 
+def test_a_dequantizing_write_from_s3_is_the_local_one_in_ranges(s3, tiny, tmp_path):
+    """`--dequantize bf16` from a block-scaled FP8 checkpoint in S3: the same bytes as from the local copy, every
+    data request ranged, nothing downloaded whole (each weight file is fetched at most once over)."""
+    from reshard.tiny import quantize_checkpoint
+
+    fp8 = quantize_checkpoint(tiny("qwen3_moe", experts=4, dtype="bfloat16"), tmp_path / "fp8", method="fp8",
+                              block=(16, 16))
+    url = f"s3://{s3.new_bucket('fp8')}/fp8"
+    s3.put_folder(fp8, url)
+    s3.clear_log()
+    result = cli(s3, "write", url, tmp_path / "remote", "--fsdp", 4, "--dequantize", "bf16", "-q")
+    assert result.returncode == 0, result.stderr
+    write_checkpoint(fp8, tmp_path / "local", MESH, dequantize="bf16", progress=False)
+    same_folders(tmp_path / "remote", tmp_path / "local")
+    tensors = json.loads((tmp_path / "remote" / "reshard.json").read_text())["tensors"]
+    assert any("dequantized_from" in t for t in tensors.values())  # computed from FP8, not copied
+    for path in fp8.glob("*.safetensors"):
+        gets = s3.requests(method="GET", key=f"fp8/{path.name}")
+        assert gets and all(r.range and r.status == 206 for r in gets), gets
+        assert sum(r.sent for r in gets) <= 2 * path.stat().st_size, (path.name, [r.range for r in gets])
+
+
 def test_mesh_to_mesh_and_merge_from_an_s3_reshard_folder_check_its_crcs(s3, uploaded, tmp_path):
     src, folder, url = uploaded
     result = cli(s3, "write", url["folder"], tmp_path / "fsdp2", "--fsdp", 2, "-q", "--json")
