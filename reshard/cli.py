@@ -265,7 +265,7 @@ def verify_command(out, against, revision, no_checksums, ranks, quiet, as_json):
     if not result.ok:
         for line in result.problems:
             click.echo(f"FAIL {line}", err=True)
-        raise click.ClickException(f"{out}: {len(result.problems)} problem(s).")
+        raise click.ClickException(result.failure())
     if not as_json:
         click.echo(result.summary())
 

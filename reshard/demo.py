@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .errors import ReshardError
-from .plan.report import plural
+from .words import plural
 
 
 def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=print, timeout: float = 300):

@@ -12,6 +12,8 @@ import platform
 import re
 import sys
 
+from .words import plural
+
 # The torch releases the suite has run against on the CPU (docs/compatibility.md): CPU and CUDA builds alike.
 TESTED_TORCH = ((2, 13), (2, 14), (2, 15))
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -79,7 +81,7 @@ def format_report(report: dict) -> str:
     """The report as the lines a user pastes into an issue."""
     v, t, tested = report["versions"], report["torch"], report["tested"]
     cuda = "no CUDA build" if not t.get("cuda_build") else (
-        f"CUDA {t['cuda_build']}, {len(t['devices'])} device(s) visible" + (f": {', '.join(t['devices'])}"
+        f"CUDA {t['cuda_build']}, {plural(len(t['devices']), 'device')} visible" + (f": {', '.join(t['devices'])}"
                                                                             if t["devices"] else ""))
     lines = [
         f"- reshard: {v['reshard']}",

@@ -52,7 +52,7 @@ class VerifyError(ReshardError):
     """
 
     def __init__(self, problems: list[str]):
-        super().__init__(f"{len(problems)} problem(s) found:\n" + "\n".join(problems))
+        super().__init__(f"{len(problems)} problem{'' if len(problems) == 1 else 's'} found:\n" + "\n".join(problems))
         self.problems = list(problems)
 
 

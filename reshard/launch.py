@@ -25,6 +25,7 @@ COLLECTIVE_TIMEOUT_S = 600  # gloo's limit for one collective; ranks enter them 
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 E = TypeVar("E", bound=Exception)
+STOPPED = "Every rank stopped; nothing was kept."  # the remedy of an agreed failure
 
 
 # ---- the launcher's environment --------------------------------------------------------------------------------
@@ -169,17 +170,17 @@ def failing_ranks(problems: list) -> dict[str, list[int]]:
 
 
 def describe_failures(failed: dict[str, list[int]], ranks: int, what: str) -> str:
-    """`N of M rank(s) <what> (ranks 0-2: cause; rank 5: other cause)`, from `failing_ranks`."""
+    """`N of M ranks <what> (ranks 0-2: cause; rank 5: other cause)`, from `failing_ranks`."""
     count = sum(len(r) for r in failed.values())
     detail = "; ".join(f"{_rank_list(r)}: {p}" for p, r in failed.items())
-    return f"{count} of {ranks} rank(s) {what} ({detail})"
+    return f"{count} of {ranks} ranks {what} ({detail})"
 
 
 def agreed_failure(views: list, what: str, error_type: type[E], *,
-                   remedy: str = "Every rank stopped; nothing was kept.") -> E | None:
+                   remedy: str = STOPPED) -> E | None:
     """The error every rank raises when any rank's view is a problem (falsy entries are fine), or None.
 
-    Every rank calls it on the same gathered `views`, so every rank gets the same message: `N of M rank(s) <what>
+    Every rank calls it on the same gathered `views`, so every rank gets the same message: `N of M ranks <what>
     (ranks 0-2: cause; ...). <remedy>`, as an `error_type` (the caller's own, e.g. an `OutputError` for a write).
     """
     failed = failing_ranks(views)

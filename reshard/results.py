@@ -11,7 +11,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from .plan.report import plural
+from .words import plural
 
 UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
                    "CRC-32: its bytes were copied as they are, not checked.")
@@ -165,6 +165,15 @@ class VerifyResult:
                 + (f", {self.bytes_compared} bytes equal to {self.against}" if self.against else "")
                 + (f" ({plural(len(self.dequantized_tensors), 'tensor')} recomputed from its quantized weights)"
                    if self.dequantized_tensors else "") + ".")
+
+    def failure(self) -> str:
+        """The one line that ends a failed verify; files missing from a whole folder may be a node's copy staged by
+        hand, which `--ranks` checks."""
+        line = f"{self.folder}: {plural(len(self.problems), 'problem')}."
+        if self.ranks is None and self.kind == "reshard" and any(": missing" in p for p in self.problems):
+            line += (" If this is one node's copy (staged with `reshard files --ranks`), check it with "
+                     "`reshard verify OUT --ranks FIRST-LAST`.")
+        return line
 
 
 # ---- files -----------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from .read.source import Kind, locate, open_source
 from .read.store import READ_BLOCK
 from .results import VerifyResult
 from .runs.byte_runs import Run, chunk_runs
+from .words import plural
 
 COMPARE_BLOCK = 1 << 20  # bytes compared at a time: one buffer per side
 
@@ -171,7 +172,7 @@ def _check_extras(listed: _Listed, manifest, headers: dict, chunks: dict) -> Non
     it), so `--against` compares its bytes like every chunk's."""
     for entry in manifest.extras:
         header = listed.header(entry.name, entry.bytes, entry.crc32,
-                               f"it holds {len(entry.keys)} tensor(s) the model does not load, e.g. {entry.keys[0]}")
+                               f"it holds {plural(len(entry.keys), 'tensor')} the model does not load, e.g. {entry.keys[0]}")
         if header is None:
             continue
         found = {t.name: t for t in header.tensors}

@@ -173,7 +173,7 @@ def test_verify_json_passes_and_fails(glm):
     doc = json.loads(result.stdout)  # still one JSON document on stdout
     assert doc["ok"] is False and doc["bytes_compared"] == 0
     assert doc["problems"] == [f"{shard.name}: CRC-32 differs from the manifest (the file is corrupt)"]
-    assert f"FAIL {doc['problems'][0]}" in result.stderr and "1 problem(s)" in result.stderr
+    assert f"FAIL {doc['problems'][0]}" in result.stderr and "1 problem." in result.stderr
 
 
 # ---- the verify progress bar -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from reshard.read.dcp_source import SAVED_FILE
 from reshard.tiny import add_tensors, make_tiny_checkpoint, quantize_checkpoint
 from reshard.verification import check_folder
 from reshard.api import merge_checkpoint
+from reshard.words import plural
 
 from conftest import assert_equal_tensors, tensors_of
 
@@ -120,7 +121,7 @@ def test_drop_unloaded_leaves_them_out_and_merge_says_so(source, written, tmp_pa
     assert not list(out.glob("extra-*")) and check_folder(out, against=source).ok
     result = CliRunner().invoke(cli, ["merge", str(out), str(tmp_path / "m"), "-q"])
     assert result.exit_code == 0, result.output
-    assert f"left out: {out} was written with --drop-unloaded: {len(mtp_tensors())} tensor(s)" in result.output
+    assert f"left out: {out} was written with --drop-unloaded: {plural(len(mtp_tensors()), 'tensor')}" in result.output
     assert set(tensors_of(tmp_path / "m")) == set(tensors_of(source)) - set(mtp_tensors())
 
 

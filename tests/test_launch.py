@@ -278,7 +278,7 @@ def test_an_agreed_failure_names_each_failing_rank_once_per_cause():
     views = [None, "disk full", "disk full", "disk full", None, "no such file", "disk full"]
     failure = agreed_failure(views, "cannot write", OutputError)
     assert type(failure) is OutputError
-    assert str(failure) == ("5 of 7 rank(s) cannot write (ranks 1-3, 6: disk full; rank 5: no such file). Every rank "
+    assert str(failure) == ("5 of 7 ranks cannot write (ranks 1-3, 6: disk full; rank 5: no such file). Every rank "
                             "stopped; nothing was kept.")
     assert agreed_failure([None, None], "cannot write", OutputError) is None
     raise_if_any([None, None, None])  # every rank fine: nothing raised
@@ -287,5 +287,5 @@ def test_an_agreed_failure_names_each_failing_rank_once_per_cause():
     assert str(e.value) == "written for 4 ranks"  # the same on every rank: said once, as it is
     with pytest.raises(LoadError) as e:
         raise_if_any([None, "truncated"])
-    assert str(e.value) == ("1 of 2 rank(s) cannot load (rank 1: truncated). Every rank stops here. Run `reshard "
+    assert str(e.value) == ("1 of 2 ranks cannot load (rank 1: truncated). Every rank stops here. Run `reshard "
                             "verify` on the folder, or write it again.")

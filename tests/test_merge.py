@@ -154,7 +154,7 @@ def test_a_missing_rank_file_is_named(written, tmp_path):
     _refused(broken, tmp_path / "a", "shard-00002-model-00001-of-00001.safetensors: missing", "the file of rank 1)")
     saved = saved_like(folder, tmp_path / "saved")
     (saved / "shard-00002-model-00001-of-00001.safetensors").unlink()
-    _refused(saved, tmp_path / "b", "rank file(s) missing: shard-00002-model-*")
+    _refused(saved, tmp_path / "b", "1 rank file missing: shard-00002-model-*")
     saved_last = saved_like(folder, tmp_path / "saved-last")
     (saved_last / "shard-00003-model-00001-of-00001.safetensors").unlink()  # no hole in the names: a gap in tensors
     _refused(saved_last, tmp_path / "c", "is in no chunk", "a rank file is missing")

@@ -295,11 +295,17 @@ def test_merge_across_nodes(source, shared, disks, tmp_path):
     cases = [{"argv": ["write", str(source), str(mount_at / "ep"), *MESHES["ep"], "--node-local", "-q"]},
              {"argv": ["merge", str(mount_at / "ep"), str(mount_at / "merged"), "--node-local",
                        "--max-shard-size", "150KB", "-q"]},
-             {"argv": ["merge", str(mount_at / "saved"), str(mount_at / "merged-saved"), "--node-local", "-q"]}]
+             {"argv": ["merge", str(mount_at / "saved"), str(mount_at / "merged-saved"), "--node-local", "-q"]},
+             {"argv": ["merge", str(mount_at / "ep"), str(mount_at / "not-local"), "-q"]}]  # the flag forgotten
     result, found = run_cli(cases, disks, tmp_path, timeout=240)
     assert [n.returncode for n in result.nodes] == [0, 0], [n.stderr[-3000:] for n in result.nodes]
-    for i, case in enumerate(cases):
+    for i, case in enumerate(cases[:-1]):
         assert [g["exit"] for g in found[i]] == [0] * 4, (case["argv"], [g["stderr"] for g in found[i]])
+    forgot = assert_one_failure(result, found[len(cases) - 1], "cannot write", "is in no chunk")
+    assert forgot[0]["stderr"].rstrip().endswith("nothing was kept. If each node holds only its own files (a "
+                                                  "node-local copy, or a training save on each node's disk), pass "
+                                                  "--node-local."), forgot[0]["stderr"]
+    assert_nothing_on_any_node(node_dirs, "not-local")
     assert_same_files(node_dirs[0] / "merged", merged_here(shared / "ep", tmp_path / "ref", "--max-shard-size",
                                                           "150KB"))
     assert_same_files(node_dirs[0] / "merged-saved", merged_here(saved, tmp_path / "ref-saved"))

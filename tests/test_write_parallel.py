@@ -338,13 +338,13 @@ def test_torchrun_write(references, tiny, tmp_path):
 
     assert [g["exit"] for g in enospc] == [1] * ranks
     for g in enospc:  # every rank names the failing rank and the cause
-        assert "1 of 4 rank(s) failed while writing (rank 1: " in g["stderr"], g["stderr"]
+        assert "1 of 4 ranks failed while writing (rank 1: " in g["stderr"], g["stderr"]
         assert "no space left on the device" in g["stderr"] and "Traceback" not in g["stderr"]
     assert_nothing_left(disk_full)
 
     assert [g["exit"] for g in lost] == [1] * ranks
     for g in lost:
-        assert "1 of 4 rank(s) cannot write (rank 2: " in g["stderr"] and "src-2" in g["stderr"], g["stderr"]
+        assert "1 of 4 ranks cannot write (rank 2: " in g["stderr"] and "src-2" in g["stderr"], g["stderr"]
     assert_nothing_left(missing)
 
     assert [g["exit"] for g in dequantized] == [0] * ranks, [g["stderr"] for g in dequantized]
@@ -520,7 +520,7 @@ def test_torchrun_merge(merge_references, tiny, tmp_path):
     enospc, restamped = (reports(report_dir, i, ranks) for i in range(len(MERGE_CASES), len(cases)))
     assert [g["exit"] for g in enospc] == [1] * ranks
     for g in enospc:
-        assert "1 of 4 rank(s) failed while writing (rank " in g["stderr"], g["stderr"]
+        assert "1 of 4 ranks failed while writing (rank " in g["stderr"], g["stderr"]
         assert "no space left on the device" in g["stderr"] and "Traceback" not in g["stderr"]
     assert_nothing_left(outs / "disk-full")
     assert [g["exit"] for g in restamped] == [1] * ranks, [g["stderr"] for g in restamped]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..words import plural
 from .replacement import replacement
 
 __all__ = [
@@ -68,7 +69,8 @@ class MaterializeReport:
             more = f", ... ({len(names) - 8} more)" if len(names) > 8 else ""
             return ", ".join(names[:8]) + more
 
-        text = f"materialized {len(self.materialized)} meta tensor(s), kept {len(self.kept)} non-meta tensor(s)"
+        text = (f"materialized {plural(len(self.materialized), 'meta tensor')}, "
+                f"kept {plural(len(self.kept), 'non-meta tensor')}")
         if self.kept:
             text += f" (kept: {listed(self.kept)})"
         if self.moved:
@@ -374,7 +376,7 @@ def check_buffers(module: nn.Module, *, warn: bool = True) -> list[str]:
             lines.append(f"{name}: {count} of {data.numel()} values are not finite")
     if warn and bad:
         warnings.warn(
-            f"{len(bad)} tensor(s) hold non-finite values (uninitialized memory after to_empty?):\n"
+            f"{plural(len(bad), 'tensor')} with non-finite values (uninitialized memory after to_empty?):\n"
             + "\n".join(lines),
             stacklevel=2,
         )

@@ -35,6 +35,7 @@ from .chunk_map import ChunkMap, own_coord
 from .local_read import BackgroundCrc, Staging, fill, read_tensor
 from ..manifest import MANIFEST_NAME, Manifest, header_problems, read_manifest
 from ..runs.byte_runs import row_major_strides
+from ..words import plural
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader  # `import reshard` imports this module lazily
@@ -311,7 +312,7 @@ class _RealDestinations(DefaultLoadPlanner):
         on_meta = sorted(fqn for fqn, t in state_dict.items()
                          if isinstance(t, torch.Tensor) and getattr(t, "_local_tensor", t).is_meta)
         if on_meta:
-            raise LoadError(f"{len(on_meta)} tensor(s) of the model are still on the meta device, so nothing can be "
+            raise LoadError(f"{plural(len(on_meta), 'tensor')} of the model are still on the meta device, so nothing can be "
                             f"loaded into them: {', '.join(on_meta[:4])}")
         return super().set_up_planner(state_dict, *args, **kwargs)
 

@@ -7,6 +7,7 @@ import re
 from .dtypes import DTYPE_BITS
 from .layout import Role
 from .placement import FamilySummary, Kind, ReshardPlan, expert_bytes_per_rank, summarize
+from ..words import plural
 
 PLAN_JSON_VERSION = 1
 
@@ -171,7 +172,7 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         lines += ["", f"quantized source: {q['format']}, {q['quantized_source_tensors']} tensors "
                       f"({human_bytes(q['quantized_source_bytes'])} with scales); planned as the bf16 model "
                       "transformers builds without quantization_config",
-                  f"  dequantized: {q['dequantized_tensors']} tensor(s) in {len(families)} famil"
+                  f"  dequantized: {plural(q['dequantized_tensors'], 'tensor')} in {len(families)} famil"
                   f"{'y' if len(families) == 1 else 'ies'}, e.g. {', '.join(families[:3])}",
                   f"  bf16 output: {human_bytes(q['output_bytes'])} in all ({human_bytes(q['dequantized_bytes'])} "
                   "computed, the rest copied as it is)",
@@ -194,11 +195,6 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         *expert_bars(*expert_bytes_per_rank(plan)),
     ]
     return "\n".join(lines)
-
-
-def plural(n: int, noun: str, nouns: str | None = None) -> str:
-    """`1 file`, `2 files`, `0 files`."""
-    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def _spans(ranks: list[int], limit: int = 16) -> str:

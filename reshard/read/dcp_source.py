@@ -33,6 +33,7 @@ from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY,
                         read_manifest, region_text, tied_from_record)
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, role_of, whole_tensor
 from ..plan.mesh import ranks_text
+from ..words import plural
 from .checkpoint import CheckpointIndex, copied_files, read_config
 from .safetensors_header import FileHeader, TensorEntry, header_of
 
@@ -151,7 +152,7 @@ def _recorded_extras(store, manifest, entries: dict, spec: str) -> tuple[list[Fi
     """
     headers, extras = [], []
     for entry in manifest.extras:
-        holds = f"it holds {len(entry.keys)} tensor(s) the model does not load, e.g. {entry.keys[0]}"
+        holds = f"it holds {plural(len(entry.keys), 'tensor')} the model does not load, e.g. {entry.keys[0]}"
         header = _checked_header(store, entry, spec, None, holds)
         by_name = {t.name: t for t in header.tensors}
         if sorted(by_name) != sorted(entry.keys):
@@ -184,9 +185,9 @@ def _saved_files(names, where: str) -> list[str]:
         if len(counts) > 1:
             missing.append(f"shard-{r:05d}: files say both {sorted(counts)} parts")
     if missing:
-        raise CheckpointError(f"{where}: rank file(s) missing: {', '.join(missing[:4])}"
+        raise CheckpointError(f"{where}: {plural(len(missing), 'rank file')} missing: {', '.join(missing[:4])}"
                               f"{' ...' if len(missing) > 4 else ''}. Every rank of the saving job writes one; copy "
-                              "the missing file(s) back. Nothing was written.", path=where)
+                              "each missing file back. Nothing was written.", path=where)
     return sorted(name for name in names if SAVED_FILE.match(name))
 
 

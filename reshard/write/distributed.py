@@ -276,9 +276,18 @@ class _Rank:
                 differs = ", ".join(k for k in reference if reference[k] != other[k])
                 problems[r] = (f"its {differs} differ from rank 0's: every rank needs the same command line and the "
                                "same checkpoint at the same path")
-        if (failure := agreed(problems, "cannot write")) is not None:
+        if (failure := agreed(problems, "cannot write", hint=self._node_local_hint(problems))) is not None:
             self.agreed = True
             raise failure
+
+    def _node_local_hint(self, problems: list) -> str:
+        """Files missing on some nodes of a job over several: likely each node holds its own (node-local copies)."""
+        lacking = (": missing (", "is in no chunk")  # a file, or a chunk of a node-local copy's joined manifest
+        if self.node_local or len(self.nodes.ranks) < 2 or not any(p and any(w in p for w in lacking)
+                                                                      for p in problems):
+            return ""
+        return ("If each node holds only its own files (a node-local copy, or a training save on each node's disk), "
+                "pass --node-local.")
 
     # ---- 2. every rank writes its share into its team's temporary folder ----------------------------------------
 

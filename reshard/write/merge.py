@@ -35,6 +35,7 @@ from ..runs.source_check import SourceCrcs
 from .files import copy_source_file, write_safetensors
 from .output import headers_digest
 from .staged import ReplaceRule, StagedOutput, fsync_path, local_sources, not_a_reshard_output, not_ours
+from ..words import plural
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
 MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
@@ -156,7 +157,7 @@ def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIn
 
     where = f"--extras-from {other.spec}"
     if layout.extras:
-        raise UsageError(f"{where}: {index.source} already holds {len(layout.extras)} tensor(s) the model does not "
+        raise UsageError(f"{where}: {index.source} already holds {plural(len(layout.extras), 'tensor')} the model does not "
                          "load; merge writes those back. Leave out --extras-from. Nothing was written.")
     if other.quantization is not None:
         raise UsageError(f"{where}: a quantized checkpoint; its extras are quantized bytes, not the bf16 tensors "
@@ -197,7 +198,7 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
         dropped = index.manifest.dropped_unloaded
         if not dropped:
             return None
-        return (f"{index.source} was written with --drop-unloaded: {dropped} tensor(s) its source held that the model "
+        return (f"{index.source} was written with --drop-unloaded: {plural(dropped, 'tensor')} its source held that the model "
                 "does not load are not in it; pass --extras-from with that source to write them back")
     patterns = layout.ignore_patterns
     dropped = f" (this model class drops {', '.join(patterns)} on load)" if patterns else ""

@@ -15,7 +15,7 @@ import threading
 import time
 
 from ..errors import OutputError
-from ..launch import agreed_failure
+from ..launch import STOPPED, agreed_failure
 from .workers import REPORT_EVERY_S
 
 POLL_S = 0.1  # how often a rank waiting for the others looks at the store (and lets signals in)
@@ -228,6 +228,7 @@ class StoreProgress:
 
 
 
-def agreed(views: list, what: str) -> Agreed | None:
-    """The error every rank raises when any rank's view holds a failure (`None` entries are fine)."""
-    return agreed_failure(views, what, Agreed)
+def agreed(views: list, what: str, *, hint: str = "") -> Agreed | None:
+    """The error every rank raises when any rank's view holds a failure (`None` entries are fine); `hint` follows
+    the standard remedy."""
+    return agreed_failure(views, what, Agreed, remedy=" ".join(filter(None, [STOPPED, hint])))

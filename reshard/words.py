@@ -1,0 +1,6 @@
+"""Counts in messages, in words: `1 file`, `2 files` (never `file(s)`)."""
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """`1 file`, `2 files`, `0 files`; `nouns` for an irregular plural."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
