@@ -287,3 +287,11 @@ def environment() -> EnvResult:
     from .env import environment_report
 
     return EnvResult(environment_report())
+
+
+def environment_lines():
+    """`reshard env`'s lines, each as soon as it is known (the versions at once; torch's build and the hooks after
+    importing torch and transformers, which takes seconds)."""
+    from .env import report_lines
+
+    return report_lines()

@@ -386,8 +386,10 @@ def env_command(as_json):
       reshard env            # paste the lines into the issue
       reshard env --json
     """
-    from .api import environment
+    from .api import environment, environment_lines
 
-    if sys.stderr.isatty():  # importing torch and transformers to check the hooks takes seconds: say so
-        click.echo("reshard env: importing torch and transformers to check the loader patch's hooks ...", err=True)
-    _show(environment(), as_json)
+    if as_json:
+        _show(environment(), as_json)
+        return
+    for line in environment_lines():  # the versions at once; torch's build and the hooks take imports (seconds)
+        click.echo(line)

@@ -55,12 +55,11 @@ def _hook_facts() -> list[dict] | dict:
         return {"error": f"transformers cannot be imported ({e})"}
 
 
-def environment_report() -> dict:
-    """Everything `reshard env` prints, as one JSON-ready document."""
+def _quick_facts() -> dict:
+    """What needs no import of torch or transformers: versions, the tested matrix, the launcher variables."""
     from .load.hooks import TESTED_RANGE, in_tested_range
 
     versions = {name: distribution_version(name) for name in DISTRIBUTIONS}
-    hooks = _hook_facts()
     torch_tested = _minor(versions["torch"]) in TESTED_TORCH
     transformers_tested = versions["transformers"] is not None and in_tested_range(versions["transformers"])
     return {
@@ -68,38 +67,58 @@ def environment_report() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "versions": versions,
-        "torch": _torch_facts(),
         "tested": {"torch": torch_tested, "transformers": transformers_tested,
                    "torch_range": ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH), "transformers_range": TESTED_RANGE},
-        "hooks_ok": isinstance(hooks, list) and all(h["ok"] for h in hooks),
-        "hooks": hooks,
         "launcher": {name: os.environ.get(name) for name in LAUNCHER_VARIABLES},
     }
 
 
+def _hooks_facts(hooks) -> dict:
+    return {"hooks_ok": isinstance(hooks, list) and all(h["ok"] for h in hooks), "hooks": hooks}
+
+
+def environment_report() -> dict:
+    """Everything `reshard env` prints, as one JSON-ready document."""
+    return {**_quick_facts(), "torch": _torch_facts(), **_hooks_facts(_hook_facts())}
+
+
+def report_lines():
+    """The report's lines, each as soon as it is known: the versions at once, then what takes importing torch and
+    transformers (seconds: the hooks are checked in transformers' own modules)."""
+    yield from _quick_lines(_quick_facts())
+    yield _torch_line(_torch_facts())
+    yield from _hook_lines(_hook_facts())
+
+
 def format_report(report: dict) -> str:
     """The report as the lines a user pastes into an issue."""
-    v, t, tested = report["versions"], report["torch"], report["tested"]
-    cuda = "no CUDA build" if not t.get("cuda_build") else (
-        f"CUDA {t['cuda_build']}, {plural(len(t['devices']), 'device')} visible" + (f": {', '.join(t['devices'])}"
-                                                                            if t["devices"] else ""))
-    lines = [
-        f"- reshard: {v['reshard']}",
-        f"- Python: {report['python']} ({report['platform']})",
-        f"- torch: {v['torch']} (torch.__version__ {t.get('version')}; {cuda}; "
-        f"NCCL {'yes' if t.get('nccl') else 'no'})",
-    ]
-    lines += [f"- {name}: {v[name] or 'not installed'}" for name in DISTRIBUTIONS[2:]]
+    return "\n".join([*_quick_lines(report), _torch_line(report["torch"]), *_hook_lines(report["hooks"])])
+
+
+def _quick_lines(report: dict) -> list[str]:
+    v, tested = report["versions"], report["tested"]
+    lines = [f"- reshard: {v['reshard']}", f"- Python: {report['python']} ({report['platform']})"]
+    lines += [f"- {name}: {v[name] or 'not installed'}" for name in DISTRIBUTIONS[1:]]
     inside = "inside" if tested["torch"] and tested["transformers"] else "OUTSIDE"
     lines.append(f"- tested matrix: {inside} (torch {tested['torch_range']}: {'yes' if tested['torch'] else 'no'}; "
                  f"{tested['transformers_range']}: {'yes' if tested['transformers'] else 'no'})")
-    hooks = report["hooks"]
-    if isinstance(hooks, dict):
-        lines.append(f"- loader-patch hooks: unknown, {hooks['error']}")
-    else:
-        broken = [h for h in hooks if not h["ok"]]
-        lines.append(f"- loader-patch hooks: {len(hooks) - len(broken)} of {len(hooks)} present and as expected")
-        lines += [f"    {h['name']} ({h['use']}): {h['problem']}" for h in broken]
     seen = {k: val for k, val in report["launcher"].items() if val is not None}
     lines.append("- launcher variables: " + (", ".join(f"{k}={val}" for k, val in seen.items()) or "none set"))
-    return "\n".join(lines)
+    return lines
+
+
+def _torch_line(t: dict) -> str:
+    if "error" in t:
+        return f"- torch build: cannot be imported ({t['error']})"
+    cuda = "no CUDA build" if not t.get("cuda_build") else (
+        f"CUDA {t['cuda_build']}, {plural(len(t['devices']), 'device')} visible"
+        + (f": {', '.join(t['devices'])}" if t["devices"] else ""))
+    return f"- torch build: torch.__version__ {t.get('version')}; {cuda}; NCCL {'yes' if t.get('nccl') else 'no'}"
+
+
+def _hook_lines(hooks) -> list[str]:
+    if isinstance(hooks, dict):
+        return [f"- loader-patch hooks: unknown, {hooks['error']}"]
+    broken = [h for h in hooks if not h["ok"]]
+    return [f"- loader-patch hooks: {len(hooks) - len(broken)} of {len(hooks)} present and as expected",
+            *(f"    {h['name']} ({h['use']}): {h['problem']}" for h in broken)]

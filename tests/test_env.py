@@ -51,3 +51,21 @@ def test_env_text_names_a_broken_hook_and_an_untested_version(monkeypatch):
     assert "- tested matrix: OUTSIDE" in text and "transformers>=5.23,<5.25: no" in text
     assert f"- loader-patch hooks: {len(HOOKS) - 1} of {len(HOOKS)} present and as expected" in text
     assert "    transformers.modeling_utils.get_device (called): it is missing" in text
+
+
+def test_env_prints_the_versions_before_importing_torch_and_transformers():
+    """The text report's first lines need no import of torch or transformers (seconds): they come at once, and the
+    torch build and the hooks follow."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from reshard.env import report_lines; lines = report_lines(); "
+             "first = [next(lines) for _ in range(12)]; print(first[-1]); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); "
+             "print(next(lines)); print('torch' in sys.modules); print(next(lines))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout
+    lines = out.splitlines()
+    assert lines[0] == "- launcher variables: none set" or lines[0].startswith("- launcher variables: ")
+    assert lines[1] == "[]", out  # twelve lines printed, nothing heavy imported
+    assert lines[2].startswith("- torch build: torch.__version__ ") and lines[3] == "True", out
+    assert lines[4].startswith("- loader-patch hooks: "), out
