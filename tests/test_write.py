@@ -430,3 +430,34 @@ def test_coordinate_sizes_equal_the_chunk_lists(tiny, mesh):
     plan = plan_checkpoint(tiny("glm4_moe"), mesh).plan
     assert coordinate_sizes(plan) == [sum(spec.nbytes for spec, _, _ in coordinate_chunks(plan, c))
                                       for c in range(mesh.num_coords)]
+
+
+def test_the_disk_starts_writing_while_the_copy_goes_on(tiny, tmp_path, monkeypatch):
+    """Every output file is handed to the kernel's writeback each WRITEBACK_BYTES (here 4 KiB) as it is filled, in the
+    copying engine (a write, a merge) and in the computing one (dequantized slabs); the bytes are the same as without
+    the hint."""
+    import reshard.syscalls
+    from reshard.api import merge_checkpoint
+    from reshard.tiny import quantize_checkpoint
+
+    src = tiny("qwen3_moe", experts=4, dtype="bfloat16")
+    write_checkpoint(src, tmp_path / "plain", MeshSpec(fsdp=2), progress=False)
+    merge_checkpoint(tmp_path / "plain", tmp_path / "merged-plain", progress=False)
+    fp8 = quantize_checkpoint(src, tmp_path / "fp8", method="fp8", block=(16, 16))
+    write_checkpoint(fp8, tmp_path / "deq-plain", MeshSpec(fsdp=2), dequantize="bf16", progress=False)
+    hints = []
+    monkeypatch.setattr(reshard.syscalls, "WRITEBACK_BYTES", 4096)
+    real = reshard.syscalls.start_writeback
+    monkeypatch.setattr(reshard.syscalls, "start_writeback", lambda fd: (hints.append(fd), real(fd)))
+    for what, run in (("write", lambda out: write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)),
+                      ("merge", lambda out: merge_checkpoint(tmp_path / "plain", out, progress=False)),
+                      ("deq", lambda out: write_checkpoint(fp8, out, MeshSpec(fsdp=2), dequantize="bf16",
+                                                           progress=False))):
+        hints.clear()
+        run(tmp_path / f"{what}-hinted")
+        sizes = [p.stat().st_size for p in (tmp_path / f"{what}-hinted").glob("*.safetensors")]
+        # once per 4 KiB written or more (one large copy crosses several steps at once), in every file past 4 KiB
+        assert len(hints) >= max(sum(s > 2 * 4096 for s in sizes), sum(sizes) // (64 << 10)), (what, hints, sizes)
+        reference = tmp_path / {"write": "plain", "merge": "merged-plain", "deq": "deq-plain"}[what]
+        for path in reference.glob("*.safetensors"):
+            assert path.read_bytes() == (tmp_path / f"{what}-hinted" / path.name).read_bytes(), (what, path.name)

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..read.store import READ_BLOCK
+from ..syscalls import Writeback
 from .byte_runs import Run
 from .crc import crc32_combine
 
@@ -70,6 +71,7 @@ def fill_fetched(engine, out_fd: int, header: bytes, runs: list[Run]) -> int:
     store, crcs = engine.index.store, {}
     _pwrite_all(out_fd, header, 0)
     requests = spans(runs)
+    writeback = Writeback(out_fd)
     with ThreadPoolExecutor(max_workers=PREFETCH, thread_name_prefix="reshard-fetch") as pool:
         pending = [pool.submit(store.read, span.file, span.start, span.length) for span in requests[:PREFETCH]]
         for i, span in enumerate(requests):
@@ -81,6 +83,7 @@ def fill_fetched(engine, out_fd: int, header: bytes, runs: list[Run]) -> int:
             for run in span.runs:
                 piece = data[run.src - span.start:run.src - span.start + run.nbytes]
                 _pwrite_all(out_fd, piece, run.dst)
+                writeback.wrote(run.nbytes)
                 crcs[run.dst] = (zlib.crc32(piece), run.nbytes)
                 _remember(engine.source_crcs.segments(run.file), run, piece)
                 if engine.progress is not None:

@@ -2,18 +2,18 @@
 
 `fsync_files` makes every file of a finished folder durable in one pass (one `syncfs` for many files); `exchange`
 swaps two folders in one step (`renameat2(RENAME_EXCHANGE)`), so OUT is at no instant missing. Both reach the C
-library through ctypes (`libc_function`, which `reshard.write.files` also uses for `fallocate`) and fall back where
-the platform lacks the call: one fsync per file, or False so that `reshard.write.staged.replace` renames instead.
+library through ctypes (`reshard.syscalls`) and fall back where the platform lacks the call: one fsync per file, or
+False so that `reshard.write.staged.replace` renames instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import os
-import sys
 from pathlib import Path
+
+from ..syscalls import libc_function
 
 SYNCFS_FROM_FILES = 64  # from this many files, one syncfs makes them durable (see `fsync_files`)
 
@@ -47,21 +47,6 @@ def fsync_path(path: Path) -> None:
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-
-
-@functools.lru_cache(maxsize=None)
-def libc_function(name: str, *argtypes):
-    """Linux C library's function `name` (errno kept, int result), or None: another platform, or a C library
-    without it (renameat2 needs glibc 2.28)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = list(argtypes)
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def renameat2():

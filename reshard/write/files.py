@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..plan.files import ChunkSpec
 from ..runs.engine import Engine
-from .durable import libc_function
+from ..syscalls import libc_function
 
 
 def safetensors_header(chunks: list, metadata: dict[str, str]) -> bytes:
