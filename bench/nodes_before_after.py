@@ -60,7 +60,7 @@ def show(step: str, ranks: list[dict]) -> None:
         if last not in lines:
             lines.append(last)
     for line in lines:
-        print(f"    | {line[:300]}")
+        print(f"    | {line if len(line) <= 320 else line[:180] + ' [...] ' + line[-130:]}")
 
 
 def stage_by_hand(repo: Path, whole: Path, node_dirs: list[Path], name: str) -> None:
