@@ -73,13 +73,11 @@ def _quick_facts() -> dict:
     }
 
 
-def _hooks_facts(hooks) -> dict:
-    return {"hooks_ok": isinstance(hooks, list) and all(h["ok"] for h in hooks), "hooks": hooks}
-
-
 def environment_report() -> dict:
     """Everything `reshard env` prints, as one JSON-ready document."""
-    return {**_quick_facts(), "torch": _torch_facts(), **_hooks_facts(_hook_facts())}
+    hooks = _hook_facts()
+    return {**_quick_facts(), "torch": _torch_facts(), "hooks": hooks,
+            "hooks_ok": isinstance(hooks, list) and all(h["ok"] for h in hooks)}
 
 
 def report_lines():

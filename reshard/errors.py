@@ -6,6 +6,8 @@ The CLI catches `ReshardError` once and prints the message without a traceback (
 
 from __future__ import annotations
 
+from .words import plural
+
 
 class ReshardError(Exception):
     """Base class of every error reshard raises."""
@@ -52,7 +54,7 @@ class VerifyError(ReshardError):
     """
 
     def __init__(self, problems: list[str]):
-        super().__init__(f"{len(problems)} problem{'' if len(problems) == 1 else 's'} found:\n" + "\n".join(problems))
+        super().__init__(f"{plural(len(problems), 'problem')} found:\n" + "\n".join(problems))
         self.problems = list(problems)
 
 

@@ -172,7 +172,8 @@ def _check_extras(listed: _Listed, manifest, headers: dict, chunks: dict) -> Non
     it), so `--against` compares its bytes like every chunk's."""
     for entry in manifest.extras:
         header = listed.header(entry.name, entry.bytes, entry.crc32,
-                               f"it holds {plural(len(entry.keys), 'tensor')} the model does not load, e.g. {entry.keys[0]}")
+                               f"it holds {plural(len(entry.keys), 'tensor')} the model does not load, "
+                               f"e.g. {entry.keys[0]}")
         if header is None:
             continue
         found = {t.name: t for t in header.tensors}

@@ -446,7 +446,7 @@ def test_each_node_needs_only_the_source_files_it_reads(source, disks, tmp_path)
     assert_nothing_on_any_node(node_dirs, "lacking")
 
 
-# ---- a remote SRC: each node fetches its own share --------------------------------------------------------------------
+# ---- a remote SRC: each node fetches its own share ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def wide(tiny):

@@ -312,8 +312,8 @@ class _RealDestinations(DefaultLoadPlanner):
         on_meta = sorted(fqn for fqn, t in state_dict.items()
                          if isinstance(t, torch.Tensor) and getattr(t, "_local_tensor", t).is_meta)
         if on_meta:
-            raise LoadError(f"{plural(len(on_meta), 'tensor')} of the model are still on the meta device, so nothing can be "
-                            f"loaded into them: {', '.join(on_meta[:4])}")
+            raise LoadError(f"{plural(len(on_meta), 'tensor')} of the model are still on the meta device, so nothing "
+                            f"can be loaded into them: {', '.join(on_meta[:4])}")
         return super().set_up_planner(state_dict, *args, **kwargs)
 
 

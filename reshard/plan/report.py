@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
+from ..words import plural
 from .dtypes import DTYPE_BITS
 from .layout import Role
 from .placement import FamilySummary, Kind, ReshardPlan, expert_bytes_per_rank, summarize
-from ..words import plural
 
 PLAN_JSON_VERSION = 1
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+from abc import ABC, abstractmethod
 import threading
 import weakref
 from pathlib import Path, PurePosixPath
@@ -25,7 +26,7 @@ READ_BLOCK = 32 << 20  # the largest ranged request: bounds the memory a remote 
 HEADER_PROBE = 64 << 10  # a header's first request: the length prefix and, almost always, the whole header
 
 
-class Store:
+class Store(ABC):
     """A source's files by name (POSIX-style, relative to the source), read in byte ranges.
 
     Attributes:
@@ -41,12 +42,13 @@ class Store:
         """Where file `name` is, as messages show it."""
         return f"{self.location.rstrip('/')}/{name}"
 
+    @abstractmethod
     def names(self) -> tuple[str, ...]:
         """The top-level file names, sorted."""
-        raise NotImplementedError
 
+    @abstractmethod
     def size(self, name: str) -> int:
-        raise NotImplementedError
+        """File `name`'s size in bytes."""
 
     def read(self, name: str, start: int, length: int) -> bytes:
         """Exactly `length` bytes of `name` from `start` (an error if the file ends first). A store defines `read` or

@@ -32,10 +32,10 @@ from ..read.checkpoint import INDEX_NAME
 from ..read.dcp_source import DcpIndex
 from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
+from ..words import plural
 from .files import copy_source_file, write_safetensors
 from .output import headers_digest
 from .staged import ReplaceRule, StagedOutput, fsync_path, local_sources, not_a_reshard_output, not_ours
-from ..words import plural
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
 MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
@@ -157,8 +157,8 @@ def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIn
 
     where = f"--extras-from {other.spec}"
     if layout.extras:
-        raise UsageError(f"{where}: {index.source} already holds {plural(len(layout.extras), 'tensor')} the model does not "
-                         "load; merge writes those back. Leave out --extras-from. Nothing was written.")
+        raise UsageError(f"{where}: {index.source} already holds {plural(len(layout.extras), 'tensor')} the model "
+                         "does not load; merge writes those back. Leave out --extras-from. Nothing was written.")
     if other.quantization is not None:
         raise UsageError(f"{where}: a quantized checkpoint; its extras are quantized bytes, not the bf16 tensors "
                          "of the trained model. Pass the reshard folder written from it with --dequantize bf16. "
@@ -198,8 +198,8 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
         dropped = index.manifest.dropped_unloaded
         if not dropped:
             return None
-        return (f"{index.source} was written with --drop-unloaded: {plural(dropped, 'tensor')} its source held that the model "
-                "does not load are not in it; pass --extras-from with that source to write them back")
+        return (f"{index.source} was written with --drop-unloaded: {plural(dropped, 'tensor')} its source held "
+                "that the model does not load are not in it; pass --extras-from with that source to write them back")
     patterns = layout.ignore_patterns
     dropped = f" (this model class drops {', '.join(patterns)} on load)" if patterns else ""
     return (f"{index.source} was saved with save_pretrained(..., distributed_checkpoint=True), which keeps only the "
