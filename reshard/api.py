@@ -289,9 +289,9 @@ def environment() -> EnvResult:
     return EnvResult(environment_report())
 
 
-def environment_lines():
+def environment_lines(waiting=None):
     """`reshard env`'s lines, each as soon as it is known (the versions at once; torch's build and the hooks after
-    importing torch and transformers, which takes seconds)."""
+    importing torch and transformers, which takes seconds: `waiting()` is called before that)."""
     from .env import report_lines
 
-    return report_lines()
+    return report_lines(waiting)

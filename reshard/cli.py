@@ -96,6 +96,10 @@ def mesh_options(func):
     return wrapper
 
 
+def _stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
 def _show(result, as_json: bool) -> None:
     click.echo(result.to_json() if as_json else result.summary())
 
@@ -391,5 +395,16 @@ def env_command(as_json):
     if as_json:
         _show(environment(), as_json)
         return
-    for line in environment_lines():  # the versions at once; torch's build and the hooks take imports (seconds)
+    note = "importing torch and transformers to check the build and the loader-patch hooks (about 10 s) ..."
+    shown = []
+
+    def waiting() -> None:  # a terminal is told what the pause is; a pipe (a pasted report) gets the lines alone
+        if _stderr_is_terminal():
+            click.echo(note, err=True, nl=False)
+            shown.append(True)
+
+    for line in environment_lines(waiting):  # the versions at once; torch's build and the hooks take seconds
+        if shown:
+            click.echo("\r" + " " * len(note) + "\r", err=True, nl=False)
+            shown.clear()
         click.echo(line)

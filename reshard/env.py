@@ -80,10 +80,13 @@ def environment_report() -> dict:
             "hooks_ok": isinstance(hooks, list) and all(h["ok"] for h in hooks)}
 
 
-def report_lines():
+def report_lines(waiting=None):
     """The report's lines, each as soon as it is known: the versions at once, then what takes importing torch and
-    transformers (seconds: the hooks are checked in transformers' own modules)."""
+    transformers (seconds: the hooks are checked in transformers' own modules). `waiting()`, when given, is called
+    between the two, so that a terminal can say what it waits for."""
     yield from _quick_lines(_quick_facts())
+    if waiting is not None:
+        waiting()
     yield _torch_line(_torch_facts())
     yield from _hook_lines(_hook_facts())
 

@@ -1,10 +1,12 @@
 """Linux calls Python's `os` does not wrap (fallocate, renameat2, syncfs, sync_file_range), reached through ctypes;
-each is None where the platform or C library lacks it, and its callers fall back."""
+each is None where the platform or C library lacks it, and its callers fall back. Also the room the kernel leaves for
+dirty pages before it throttles writers (/proc/vmstat), which decides how the engine writes a large file."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
@@ -46,3 +48,25 @@ class Writeback:
         if self.pending >= self.every:
             start_writeback(self.fd)
             self.pending = 0
+
+
+def page_cache_room() -> int | None:
+    """Bytes that can still be made dirty in the page cache before the kernel starts throttling writers (halfway
+    between its background and its hard dirty thresholds, where Linux's dirty-page throttling begins), from
+    /proc/vmstat; None where that is not readable (another platform)."""
+    try:
+        with open("/proc/vmstat") as f:
+            return dirty_room(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def dirty_room(vmstat: str) -> int | None:
+    """`page_cache_room` from the text of /proc/vmstat."""
+    counts = dict(line.split() for line in vmstat.splitlines() if line.count(" ") == 1)
+    try:
+        free_run = (int(counts["nr_dirty_threshold"]) + int(counts["nr_dirty_background_threshold"])) // 2
+        dirty = int(counts["nr_dirty"]) + int(counts["nr_writeback"])
+    except KeyError:
+        return None
+    return max(free_run - dirty, 0) * os.sysconf("SC_PAGE_SIZE")

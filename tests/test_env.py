@@ -69,3 +69,31 @@ def test_env_prints_the_versions_before_importing_torch_and_transformers():
     assert lines[1] == "[]", out  # twelve lines printed, nothing heavy imported
     assert lines[2].startswith("- torch build: torch.__version__ ") and lines[3] == "True", out
     assert lines[4].startswith("- loader-patch hooks: "), out
+
+
+def test_a_terminal_is_told_what_env_waits_for_and_a_pipe_gets_the_lines_alone(monkeypatch):
+    """Between the versions and the torch build a terminal sees one note on stderr, erased once the next line comes;
+    the report itself (stdout) is the same either way."""
+    import reshard.cli
+
+    calls = []
+
+    def quick_then_slow(waiting=None):
+        yield "- reshard: 9"
+        if waiting is not None:
+            waiting()
+        calls.append("slow")
+        yield "- torch build: torch.__version__ 9"
+
+    monkeypatch.setattr("reshard.api.environment_lines", quick_then_slow)
+    for terminal in (True, False):
+        monkeypatch.setattr(reshard.cli, "_stderr_is_terminal", lambda: terminal)
+        result = CliRunner().invoke(cli, ["env"])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == "- reshard: 9\n- torch build: torch.__version__ 9\n", result.stdout
+        note = "importing torch and transformers"
+        if terminal:
+            assert result.stderr.startswith(note) and result.stderr.endswith("\r"), repr(result.stderr)
+            assert result.stderr.count("\r") == 2  # written, then blanked out
+        else:
+            assert result.stderr == ""

@@ -4,4 +4,4 @@ slabs of computed values.
 Its modules are what it exports (`__all__`); their names are used through them, e.g. `reshard.runs.byte_runs`.
 """
 
-__all__ = ["byte_runs", "crc", "dequant", "engine", "fetch", "source_check"]
+__all__ = ["byte_runs", "crc", "dequant", "direct", "engine", "fetch", "source_check"]

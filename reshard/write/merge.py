@@ -280,7 +280,9 @@ class MergeJob:
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
                     source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
-        engine, entries = Engine(self.index, progress, source_crcs), []
+        units = list(units)
+        engine = Engine(self.index, progress, source_crcs, planned_bytes=sum(self.unit_sizes[u] for u in units))
+        entries = []
         try:
             for unit in units:
                 path, tensors = tmp / self.names[unit], self.parts[unit]

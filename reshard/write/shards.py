@@ -48,7 +48,7 @@ def write_rank_file(path: Path, layout: tuple[list, bytes, list], engine: Engine
 
 def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
                       max_shard_size: int | None = None, progress=None, fsync: bool = False,
-                      source_crcs: SourceCrcs | None = None) -> list[dict]:
+                      source_crcs: SourceCrcs | None = None, planned_bytes: int | None = None) -> list[dict]:
     """Write the files of the coordinates `coords` into the folder `tmp` and return their manifest entries.
 
     The one step every writer runs on its share: the in-process write (all coordinates), each worker process of
@@ -61,11 +61,12 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
         fsync: flush each written file to disk before returning (a share whose writer reports to another process).
         source_crcs: where the CRC-32s of the source ranges read go, for the process that completes the output;
             None: the source files read are checked here.
+        planned_bytes: the data of these coordinates' files, when known (how the engine writes large files).
 
     Returns:
         One entry per file, `{"coord": c, ...}`, in coordinate then part order.
     """
-    engine = Engine(index, progress, source_crcs)
+    engine = Engine(index, progress, source_crcs, planned_bytes=planned_bytes)
     files, paths = [], []
     # (boxes of every kind, its files' layouts) of the coordinate before: equal boxes, equal files
     last: tuple = (None, None)
@@ -103,7 +104,7 @@ def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
         return []
     items = [(ChunkSpec(t.name, t.dtype, t.shape, (0,) * len(t.shape), t.numel * DTYPE_BITS[t.dtype] // 8, i), t,
               tuple((0, n) for n in t.shape)) for i, t in enumerate(plan.extras)]
-    engine, entries = Engine(index, source_crcs=source_crcs), []
+    engine, entries = Engine(index, source_crcs=source_crcs, planned_bytes=extras_bytes(plan)), []
     try:
         for part, chunk_items in enumerate(parts := split_parts(items, max_shard_size)):
             path = folder / extra_file_name(part, len(parts))
@@ -197,8 +198,10 @@ class WriteJob:
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
                     source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
+        units = list(units)
         files = write_coordinates(self.plan, self.index, tmp, units, max_shard_size=self.max_shard_size,
-                                  progress=progress, fsync=fsync, source_crcs=source_crcs)
+                                  progress=progress, fsync=fsync, source_crcs=source_crcs,
+                                  planned_bytes=sum(self.unit_sizes[u] for u in units))
         return [(entry["coord"], entry) for entry in files]
 
     def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs) -> Manifest:
