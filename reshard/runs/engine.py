@@ -250,25 +250,23 @@ class Engine:
         page cache has room for (`_cached`), or a file system without direct I/O."""
         if self._cached(sum(run.nbytes for run in runs)):
             return None
-        if any(a.dst + a.nbytes != b.dst for a, b in zip(runs, runs[1:])):
-            return None  # blocks are filled front to back: the runs must tile the file
         if self.ring is None:
             self.ring = BlockRing()
         return DirectOutput.start(out_fd, self.ring, crcs.digest, crcs.collect)
 
     def _fill_direct(self, out: DirectOutput, header: bytes, runs: list[Run]) -> None:
-        """Fill the file front to back through `out`'s blocks: each piece of a run is read once, into the block, where
-        a writer thread computes its CRC-32s (`BlockCrcs`) before the block goes to disk; the next block is read
-        meanwhile."""
+        """Fill the file front to back through `out`'s blocks (`placed_runs` tile it after the header, in order): each
+        piece of a run is read once, into the block, where a writer thread computes its CRC-32s (`BlockCrcs`) before
+        the block goes to disk; the next block is read meanwhile."""
         known = {run.file: self.source_crcs.segments(run.file) for run in runs}
         try:
             out.put(header, None)
             for run in runs:
-                fd, segments, done = self._fd(run.file), known[run.file], 0
+                segments, done = known[run.file], 0
                 while done < run.nbytes:
                     piece = out.space()
                     piece = piece[:min(len(piece), run.nbytes - done)]
-                    self._pread_all(fd, piece, run, done)
+                    self._read_into(Run(run.file, run.src + done, 0, len(piece)), piece)
                     out.advance(len(piece), None if segments is None else (segments, run.src + done))
                     done += len(piece)
                     if self.progress is not None:
@@ -290,16 +288,6 @@ class Engine:
             room = page_cache_room()
             self.cached_job = None not in (room, self.planned_bytes) and self.planned_bytes <= room
         return self.cached_job
-
-    @staticmethod
-    def _pread_all(fd: int, view: memoryview, run: Run, done: int) -> None:
-        """Read `run`'s source bytes from `done` on into all of `view`."""
-        at = 0
-        while at < len(view):
-            got = os.preadv(fd, [view[at:]], run.src + done + at)
-            if got <= 0:
-                raise _short_read(run, done + at)
-            at += got
 
     # ---- computing ----------------------------------------------------------------------------------------------
 
