@@ -181,7 +181,7 @@ TINY: dict[str, dict] = {
                          mlp_layer_types=["dense", "sparse"], head_dim=16, **_MOE),
     "mixtral": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24),
     "nemotron_h": dict(n_routed_experts=_E, num_experts_per_tok=2, moe_intermediate_size=24,
-                       moe_shared_expert_intermediate_size=48, layers_block_type=["moe", "full_attention"],
+                       moe_shared_expert_intermediate_size=48, layers_block_type=["full_attention", "moe"],
                        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16),
     "olmoe": dict(num_experts=_E, num_experts_per_tok=2, intermediate_size=24),
     "param2moe": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,  # transformers 5.25
