@@ -278,7 +278,8 @@ def test_patched_transformers_loads_a_reshard_folder_without_a_process_group(tin
 
 def test_a_reshard_load_never_asks_for_hub_kernels_unless_the_caller_does(tiny, tmp_path, monkeypatch):
     """transformers 5.25 kernelizes by default (and fails without the `kernels` package, or fetches code from the Hub);
-    reshard's loads pass use_kernels=False unless the caller asks, and a caller's use_kernels=True passes through."""
+    reshard's loads, and every load under the patch, pass use_kernels=False unless the caller asks, and a caller's
+    use_kernels=True passes through."""
     import transformers.modeling_utils as mu
 
     monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
@@ -292,6 +293,7 @@ def test_a_reshard_load_never_asks_for_hub_kernels_unless_the_caller_does(tiny, 
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(out)
+        AutoModelForCausalLM.from_pretrained(tiny("qwen3_moe"))  # an original checkpoint, on the patch's path
     assert True not in asked, asked
     asked.clear()
     reshard.from_pretrained(out, use_kernels=True)
