@@ -349,7 +349,8 @@ def main() -> None:
     if profiler:
         profiler.enable()
     if mode == "stock":
-        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=fsdp))
+        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=fsdp),
+                                                     use_kernels=False)
     else:
         model = reshard.from_pretrained(folder, check_checksums=(mode != "reshard-nocrc"))
     if profiler:

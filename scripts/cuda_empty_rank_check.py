@@ -38,7 +38,7 @@ def local_shards_match(model, source: Path) -> tuple[int, list[str]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(source).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(source, use_kernels=False).state_dict()
     checked, wrong = 0, []
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):
@@ -74,7 +74,8 @@ def rank_main(mode: str, device: str, folder: str, source: str, reports: str) ->
     dcp.load = lambda *args, **kwargs: dcp_calls.append(1) or dcp_load(*args, **kwargs)
     started = time.monotonic()
     if mode == "stock":
-        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=RANKS))
+        model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=RANKS),
+                                                     use_kernels=False)
     else:
         import reshard
 

@@ -194,7 +194,7 @@ def variant_source(breadth, model_type: str, dtype: str, tied: bool, name: str) 
     if dtype == "float32":
         return src
     out = Path(f"sources/variants/{name}")
-    AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)).save_pretrained(out,
+    AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype), use_kernels=False).save_pretrained(out,
                                                                                            save_original_format=True)
     return out
 

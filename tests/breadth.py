@@ -95,6 +95,10 @@ TINY: dict[str, dict] = {
     "exaone_moe": dict(num_experts=_E, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
                        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
                        sliding_window=8, **_MOE),
+    # transformers 5.25: experts stored fused under other names, `up_proj` [E, hidden, inter], a per-expert norm
+    "ergo": dict(num_experts=_E, num_experts_per_tok=2, num_dense_blocks=1, first_dense_intermediate_size=96,
+                 shared_intermediate_size=48, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                 **_MOE),
     "flex_olmo": dict(num_experts=_E, num_experts_per_tok=2, intermediate_size=24),
     "flint": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[0],
                   layer_types=["full_attention", "sliding_attention"], sliding_window=8, **_MOE),
@@ -145,6 +149,11 @@ TINY: dict[str, dict] = {
                         linear_num_heads=4, **_MLA, **_MOE),
     "kolibri1": dict(num_local_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,
                      layer_types=["sliding_attention", "full_attention"], sliding_window=8, **_MOE),
+    "kolibri1_1": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,  # transformers 5.25
+                       mlp_only_layers=[0], mlp_only_intermediate_size=96, head_dim=16, sliding_window=8,
+                       layer_types=["sliding_attention", "indexed_attention"], index_layers=[1], kv_source_layers=[0, 1],
+                       index_topk=4, index_pool_size=16, index_compression=2, index_num_heads=2,
+                       index_num_local_tokens=4, index_num_sink_tokens=2, **_MOE),
     "laguna": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48, layer_types=_TWO,
                    num_attention_heads_per_layer=[4, 4], mlp_layer_types=["dense", "sparse"], **_MOE),
     "lara_mini": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,  # transformers 5.24
@@ -168,11 +177,15 @@ TINY: dict[str, dict] = {
                                dense_intermediate_size=96, shared_intermediate_size=48,
                                mlp_layer_types=["dense", "sparse"], layer_types=_TWO, index_n_heads=2,
                                index_head_dim=16),
+    "minicpm5_moe": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,  # transformers 5.25
+                         mlp_layer_types=["dense", "sparse"], head_dim=16, **_MOE),
     "mixtral": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24),
     "nemotron_h": dict(n_routed_experts=_E, num_experts_per_tok=2, moe_intermediate_size=24,
-                       moe_shared_expert_intermediate_size=48, layers_block_type=["moe", "full_attention"],
+                       moe_shared_expert_intermediate_size=48, layers_block_type=["full_attention", "moe"],
                        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16),
     "olmoe": dict(num_experts=_E, num_experts_per_tok=2, intermediate_size=24),
+    "param2moe": dict(n_routed_experts=_E, num_experts_per_tok=2, n_shared_experts=1,  # transformers 5.25
+                      first_k_dense_replace=1, head_dim=16, **_MOE),
     "phimoe": dict(num_local_experts=_E, num_experts_per_tok=2, intermediate_size=24),
     "qwen2_moe": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48, **_MOE),
     "qwen3_5_moe_text": dict(num_experts=_E, num_experts_per_tok=2, shared_expert_intermediate_size=48,
@@ -556,7 +569,7 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
         result.steps.append("experts")
         from transformers import AutoModelForCausalLM
 
-        reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
+        reference = AutoModelForCausalLM.from_pretrained(src, use_kernels=False).state_dict()
         sizes = {t.shape[0] for t in plan.layout.experts}
         if plan.layout.expert_parallel:
             case_meshes = meshes(expert_count(plan.layout))

@@ -30,7 +30,7 @@ def test_env_json_reports_installed_distributions_hooks_and_launcher(monkeypatch
     assert [h["name"] for h in report["hooks"]] == [h.qualified for h in HOOKS]
     assert report["hooks_ok"] is True and all(h["ok"] and h["problem"] is None for h in report["hooks"])
     assert report["tested"] == {"torch": True, "transformers": True, "torch_range": "2.13, 2.14, 2.15",
-                                "transformers_range": "transformers>=5.23,<5.25"}
+                                "transformers_range": "transformers>=5.23,<5.26"}
     import torch
 
     assert report["torch"]["version"] == torch.__version__ and report["torch"]["cuda_build"] == torch.version.cuda
@@ -48,7 +48,7 @@ def test_env_text_names_a_broken_hook_and_an_untested_version(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.31.0")
     text = _env()
     assert "- transformers: 5.31.0" in text
-    assert "- tested matrix: OUTSIDE" in text and "transformers>=5.23,<5.25: no" in text
+    assert "- tested matrix: OUTSIDE" in text and "transformers>=5.23,<5.26: no" in text
     assert f"- loader-patch hooks: {len(HOOKS) - 1} of {len(HOOKS)} present and as expected" in text
     assert "    transformers.modeling_utils.get_device (called): it is missing" in text
 

@@ -73,7 +73,8 @@ def test_train_save_merge_and_resume_on_another_mesh(tiny, tmp_path):
         source_keys = set(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]) \
             if (src / "model.safetensors.index.json").exists() else set(load_file(src / "model.safetensors"))
         assert keys == source_keys - set(mtp_tensors())  # the MTP layer is not in the trained folder
-        loaded = AutoModelForCausalLM.from_pretrained(dest).state_dict()  # plain transformers, one process
+        # plain transformers, one process
+        loaded = AutoModelForCausalLM.from_pretrained(dest, use_kernels=False).state_dict()
         assert loaded.keys() == trained.keys()
         for key, tensor in trained.items():
             assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key

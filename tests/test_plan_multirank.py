@@ -46,7 +46,7 @@ def _reference_state(src) -> dict[str, torch.Tensor]:
     """The source loaded by transformers in one process: the in-memory (fused) tensors."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(src).state_dict()
+    return AutoModelForCausalLM.from_pretrained(src, use_kernels=False).state_dict()
 
 
 CASES = [

@@ -57,7 +57,7 @@ def reference(src: Path) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
     """`from_pretrained(src).state_dict()` and the names of its persistent buffers (cached per source)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, use_kernels=False)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return state, frozenset(set(state) - params)

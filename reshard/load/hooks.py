@@ -14,9 +14,10 @@ import re
 import warnings
 from dataclasses import dataclass
 
-# The transformers releases the whole suite runs against (CI runs both ends): setup.cfg allows the same range.
-TESTED_TRANSFORMERS = ((5, 23), (5, 24))
-TESTED_RANGE = "transformers>=5.23,<5.25"
+# The transformers releases the suite runs against (CI: the whole suite on the newest, the core tests on the oldest).
+# setup.cfg admits every later 5.x release: pip never refuses or downgrades a new one; `require_hooks` is the gate.
+TESTED_TRANSFORMERS = ((5, 23), (5, 24), (5, 25))
+TESTED_RANGE = "transformers>=5.23,<5.26"
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,12 @@ def refusal(version: str, broken: list[HookStatus]) -> str:
             "patched.")
 
 
-_warned: set[str] = set()
+class UntestedTransformersWarning(UserWarning):
+    """Every hook is intact, but the installed transformers is newer (or older) than the releases reshard tested."""
+
+
+# Shown once per process and message by the warnings machinery itself, wherever the patch is installed from.
+warnings.filterwarnings("once", category=UntestedTransformersWarning)
 
 
 def require_hooks() -> None:
@@ -149,8 +155,21 @@ def require_hooks() -> None:
     broken = [s for s in check_hooks() if not s.ok]
     if broken:
         raise ReshardError(refusal(version, broken))
-    if not in_tested_range(version) and version not in _warned:
-        _warned.add(version)
+    if not in_tested_range(version):
         warnings.warn(f"reshard's loader patch was tested with {TESTED_RANGE}; transformers {version} is installed. "
                       "Every hook it uses is present with the expected signature, so it proceeds; report problems "
-                      "with the output of `reshard env`.", stacklevel=3)
+                      "with the output of `reshard env`.", UntestedTransformersWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside reshard and contextlib: the line that asked for the patch."""
+    import contextlib
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or frame.f_code.co_filename == contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level

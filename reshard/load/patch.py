@@ -1,4 +1,4 @@
-"""What reshard adds to transformers' distributed loading (tested with 5.23 and 5.24). Explicit and idempotent;
+"""What reshard adds to transformers' distributed loading (tested with 5.23 to 5.25). Explicit and idempotent;
 nothing on import.
 
 1. Balanced placement: while a reshard folder with a balanced layout loads, FSDP2's `fully_shard` gets a
@@ -14,6 +14,9 @@ nothing on import.
 4. Own-file reads: a reshard folder's distributed-checkpoint load is `dcp.load` of the model's own state dict with
    `reshard.StorageReader` (each rank reads its own files into its local tensors, CRC-32 checked as they pass),
    and skips building the weight-conversion mapping, which that path never uses.
+5. No Hub kernels unless asked: while the patch is installed, `from_pretrained` gets `use_kernels=False` when the
+   caller passes none (transformers 5.25 turns kernels on by default, fails without the `kernels` package and fetches
+   code from the Hub); a caller's `use_kernels=True` passes through.
 
 All hooks are private transformers API: before installing, `hooks.require_hooks` checks that each name the patch
 wraps, replaces or calls is there with the parameters it expects (refusing when one is missing or changed, warning
@@ -349,6 +352,10 @@ def _wrap_from_pretrained(original):
         from ..manifest import read_manifest
 
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
+        if kwargs.get("use_kernels") is None:
+            # transformers 5.25 kernelizes by default and fetches kernel code from the Hub as it loads: no load under
+            # the patch does unless asked (a caller's use_kernels=True passes through).
+            kwargs["use_kernels"] = False
         active = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
         direct = all(kwargs.get(k) is None for k in ("state_dict", "gguf_file")) and not kwargs.get("subfolder")
         if active is None and folder is not None and direct and _multi_rank() and _is_candidate(folder):

@@ -99,7 +99,7 @@ def _later_ops(name, converter, step: int, model_type) -> tuple[int | None, bool
 
 
 def _refuse_op(name, op, converter, model_type) -> None:
-    """Refuse, with the reason, the ops whose refusal says more than their name (each new in transformers 5.24)."""
+    """Refuse, with the reason, the ops whose refusal says more than their name (new in transformers 5.24, 5.25)."""
     kind = type(op).__name__
     if kind == "Split":  # Sarvam-MoE's fused `query_key_value`, Lara-Mini's fused `linear_attn.in_proj`
         raise ArchitectureError(
@@ -107,6 +107,12 @@ def _refuse_op(name, op, converter, model_type) -> None:
             f"{list(converter.source_patterns)} into {list(converter.target_patterns)}); reshard builds each tensor "
             "from whole on-disk tensors, so a checkpoint storing them fused is not supported yet (one saved with "
             "the in-memory names, save_pretrained(save_original_format=False), is). Nothing was written.")
+    if kind == "Transpose" and not op.check_dims:  # Ergo's router (`gate_kernel`) and shared expert, [in, out] on disk
+        raise ArchitectureError(
+            f"{model_type}: {name} is stored transposed (transformers transposes on-disk "
+            f"{', '.join(p.replace(chr(92), '') for p in converter.source_patterns)} as it loads); reshard copies whole on-disk tensors byte for byte and does not transpose, so a checkpoint "
+            "storing them transposed is not supported yet (one saved with the in-memory names, "
+            "save_pretrained(save_original_format=False), is). Nothing was written.")
     if kind == "Inkling2LoopDequantizeExperts":
         raise ArchitectureError(
             f"{model_type}: {name} is built with {[type(o).__name__ for o in converter.operations]} (transformers "

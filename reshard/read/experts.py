@@ -69,7 +69,8 @@ def expert_param_names(model) -> tuple[set[str], bool]:
     plan = model._expand_parallel_plan(dict(getattr(model, "ep_plan", None) or {}))
     modules = {name for name, style in plan.items() if style == "ep_dispatch_experts"}
     if modules:
-        return {f"{m}.{p}" for m in modules for p, _ in model.get_submodule(m).named_parameters(recurse=False)}, True
+        # nested too: Ergo's per-expert norm (`experts.post_expert_norm.weight`, [E, hidden]) is sharded with them
+        return {f"{m}.{p}" for m in modules for p, _ in model.get_submodule(m).named_parameters()}, True
     names = set()
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "experts":

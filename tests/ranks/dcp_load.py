@@ -91,7 +91,7 @@ def main():
         import reshard
         import reshard.load.storage as storage
 
-        reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
+        reference = AutoModelForCausalLM.from_pretrained(src, use_kernels=False).state_dict()
         mesh_dense = init_device_mesh("cpu", (fsdp,), mesh_dim_names=("fsdp",))
         mesh_experts = init_device_mesh("cpu", (fsdp // ep, ep), mesh_dim_names=("efsdp", "ep"))
         reads: dict[str, list] = {}

@@ -49,8 +49,10 @@ def main():
                 import reshard
 
                 reshard.patch_transformers()
-            model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config)
-        reference = AutoModelForCausalLM.from_pretrained(src, **dtype)
+            # stock transformers 5.25 would kernelize by default; the patched path turns that off by itself
+            stock = {} if mode == "patched" else {"use_kernels": False}
+            model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config, **stock)
+        reference = AutoModelForCausalLM.from_pretrained(src, **dtype, use_kernels=False)
         ref_state = reference.state_dict()
         mismatched, uninitialized, local = [], [], {}
         for name, tensor in model.state_dict().items():

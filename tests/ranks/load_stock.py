@@ -52,7 +52,7 @@ def main() -> None:
     kwargs = {"fsdp_size": fsdp}
     if ep > 1:
         kwargs["ep_size"] = ep
-    model = AutoModelForCausalLM.from_pretrained(out, distributed_config=DistributedConfig(**kwargs))
+    model = AutoModelForCausalLM.from_pretrained(out, distributed_config=DistributedConfig(**kwargs), use_kernels=False)
     HuggingFaceStorageReader.read_data = stock_read_data
 
     from reshard.manifest import read_manifest
@@ -61,7 +61,7 @@ def main() -> None:
     manifest = read_manifest(out)
     mesh = manifest.mesh
     coord = mesh.coord_of(rank)
-    reference = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(src, use_kernels=False).state_dict()
 
     problems, checked, empty_locals = [], 0, []
     uninitialized = []

@@ -55,7 +55,7 @@ def main() -> None:
     kwargs = {"fsdp_size": fsdp}
     if ep > 1:
         kwargs["ep_size"] = ep
-    model = AutoModelForCausalLM.from_pretrained(out, distributed_config=DistributedConfig(**kwargs))
+    model = AutoModelForCausalLM.from_pretrained(out, distributed_config=DistributedConfig(**kwargs), use_kernels=False)
     params = {}
     for name, p in model.named_parameters():
         entry = {"global_shape": list(p.shape), "initialized": bool(getattr(p, "_is_hf_initialized", False))}
