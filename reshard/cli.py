@@ -60,15 +60,16 @@ class ReshardGroup(click.Group):
             raise click.ClickException(str(e)) from e
         except KeyboardInterrupt as e:
             signum = _interrupting_signal(e)
-            click.echo(f"interrupted ({signum.name}); {_left_behind()}", err=True)
+            click.echo(f"interrupted ({signum.name}); {_left_behind(e)}", err=True)
             sys.exit(128 + signum)
 
 
-def _left_behind() -> str:
+def _left_behind(interrupt: KeyboardInterrupt) -> str:
     """What an interrupted command left on disk: a write or merge may leave part of its temporary folder, when its
-    removal ran out of time (`reshard.write.staged.remove_within`); any other command writes nothing."""
+    removal ran out of time (`reshard.write.staged.remove_within`), and says so on the interrupt; any other command
+    writes nothing."""
     staged = sys.modules.get("reshard.write.staged")  # not imported: no write ran, so nothing was left
-    return staged.left_behind_text() if staged is not None else "nothing partial was left behind."
+    return staged.left_behind_text(interrupt) if staged is not None else "nothing partial was left behind."
 
 
 def mesh_options(func):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import re
 import sys
 
 from .words import plural
@@ -26,11 +25,6 @@ def distribution_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _minor(version: str | None) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", version or "")
-    return (int(match[1]), int(match[2])) if match else None
 
 
 def _torch_facts() -> dict:
@@ -57,10 +51,10 @@ def _hook_facts() -> list[dict] | dict:
 
 def _quick_facts() -> dict:
     """What needs no import of torch or transformers: versions, the tested matrix, the launcher variables."""
-    from .load.hooks import TESTED_RANGE, in_tested_range
+    from .load.hooks import TESTED_RANGE, in_tested_range, minor_of
 
     versions = {name: distribution_version(name) for name in DISTRIBUTIONS}
-    torch_tested = _minor(versions["torch"]) in TESTED_TORCH
+    torch_tested = minor_of(versions["torch"]) in TESTED_TORCH
     transformers_tested = versions["transformers"] is not None and in_tested_range(versions["transformers"])
     return {
         "reshard_env_version": 1,

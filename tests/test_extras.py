@@ -24,7 +24,7 @@ from reshard.cli import cli
 from reshard.errors import ReshardError, UsageError
 from reshard.plan.mesh import MeshSpec
 from reshard.plan.report import plan_to_dict, render_plan
-from reshard.read.dcp_source import SAVED_FILE
+from reshard.manifest import SHARD_FILE_NAME as SAVED_FILE
 from reshard.tiny import add_tensors, make_tiny_checkpoint, quantize_checkpoint
 from reshard.verification import check_folder
 from reshard.api import merge_checkpoint

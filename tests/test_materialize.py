@@ -80,7 +80,7 @@ def restore_to_empty():
     unpatch_to_empty()
     stray = nn.Module.to_empty is not STOCK_TO_EMPTY
     nn.Module.to_empty = STOCK_TO_EMPTY
-    mat._depth, mat._explicit, mat._original_to_empty = 0, False, None
+    mat._TO_EMPTY.reset()
     assert not stray, "a test left nn.Module.to_empty patched"
 
 

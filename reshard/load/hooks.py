@@ -127,9 +127,14 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
+def minor_of(version: str | None) -> tuple[int, int] | None:
+    """`(major, minor)` of a version string (`"5.25.0.dev0"` -> `(5, 25)`), or None when it has none."""
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match[1]), int(match[2])) if match else None
+
+
 def in_tested_range(version: str) -> bool:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return bool(match) and (int(match[1]), int(match[2])) in TESTED_TRANSFORMERS
+    return minor_of(version) in TESTED_TRANSFORMERS
 
 
 def refusal(version: str, broken: list[HookStatus]) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
-import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from ..words import plural
+from .hooks import minor_of
 from .replacement import replacement
 
 __all__ = [
@@ -140,10 +140,61 @@ def materialize_meta_(
 
 # --- making nn.Module.to_empty meta-only -----------------------------------------------------------------------------
 
-_lock = threading.RLock()
-_depth = 0  # open meta_only_to_empty() blocks
-_explicit = False  # patch_to_empty() was called
-_original_to_empty = None  # what nn.Module.to_empty was before we installed ours
+class _ToEmptyPatch:
+    """The process-wide meta-only `nn.Module.to_empty`: installed exactly while a `meta_only_to_empty()` block is open
+    or `patch_to_empty()` is in force, and the method it replaced. The one record of that patch's state."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.depth = 0  # open meta_only_to_empty() blocks
+        self.explicit = False  # patch_to_empty() was called
+        self.original = None  # what nn.Module.to_empty was before ours was installed
+
+    def sync(self) -> None:
+        """Install or remove the meta-only to_empty so it is active exactly while someone asks for it. Hold `lock`."""
+        wanted = self.explicit or self.depth > 0
+        current = nn.Module.to_empty
+        if wanted and self.original is None:
+            self.original = current
+            nn.Module.to_empty = _meta_only_to_empty
+        elif not wanted and self.original is not None:
+            if current is not _meta_only_to_empty:
+                # Someone wrapped or replaced ours meanwhile; putting the original back would silently drop their patch.
+                warnings.warn(
+                    "torch.nn.Module.to_empty was replaced by other code while reshard's meta-only version was "
+                    "installed; leaving the current one in place",
+                    stacklevel=4,
+                )
+            else:
+                nn.Module.to_empty = self.original
+            self.original = None
+
+    def enter(self) -> None:
+        with self.lock:
+            self.depth += 1
+            try:
+                self.sync()
+            except BaseException:
+                self.depth -= 1
+                raise
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            self.sync()
+
+    def set_explicit(self, wanted: bool) -> None:
+        with self.lock:
+            self.explicit = wanted
+            self.sync()
+
+    def reset(self) -> None:
+        """Forget every block and the explicit patch (tests restore the stock method themselves)."""
+        with self.lock:
+            self.depth, self.explicit, self.original = 0, False, None
+
+
+_TO_EMPTY = _ToEmptyPatch()
 
 
 def _meta_only_to_empty(self: nn.Module, *, device: torch.device | str | int | None, recurse: bool = True) -> nn.Module:
@@ -161,27 +212,6 @@ def _meta_only_to_empty(self: nn.Module, *, device: torch.device | str | int | N
 
 
 _meta_only_to_empty.__reshard_meta_only__ = True
-
-
-def _sync_patch() -> None:
-    """Install or remove the meta-only to_empty so it is active exactly while someone asks for it. Hold `_lock`."""
-    global _original_to_empty
-    wanted = _explicit or _depth > 0
-    current = nn.Module.to_empty
-    if wanted and _original_to_empty is None:
-        _original_to_empty = current
-        nn.Module.to_empty = _meta_only_to_empty
-    elif not wanted and _original_to_empty is not None:
-        if current is not _meta_only_to_empty:
-            # Someone wrapped or replaced ours meanwhile; putting the original back would silently drop their patch.
-            warnings.warn(
-                "torch.nn.Module.to_empty was replaced by other code while reshard's meta-only version was "
-                "installed; leaving the current one in place",
-                stacklevel=3,
-            )
-        else:
-            nn.Module.to_empty = _original_to_empty
-        _original_to_empty = None
 
 
 @contextlib.contextmanager
@@ -211,20 +241,11 @@ def meta_only_to_empty() -> Iterator[None]:
 
     ```
     """
-    global _depth
-    with _lock:
-        _depth += 1
-        try:
-            _sync_patch()
-        except BaseException:
-            _depth -= 1
-            raise
+    _TO_EMPTY.enter()
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            _sync_patch()
+        _TO_EMPTY.exit()
 
 
 def patch_to_empty() -> None:
@@ -243,10 +264,7 @@ def patch_to_empty() -> None:
 
     ```
     """
-    global _explicit
-    with _lock:
-        _explicit = True
-        _sync_patch()
+    _TO_EMPTY.set_explicit(True)
 
 
 def unpatch_to_empty() -> None:
@@ -254,10 +272,7 @@ def unpatch_to_empty() -> None:
 
     Open `meta_only_to_empty()` blocks keep the meta-only method until they exit.
     """
-    global _explicit
-    with _lock:
-        _explicit = False
-        _sync_patch()
+    _TO_EMPTY.set_explicit(False)
 
 
 # --- megatron-fsdp ---------------------------------------------------------------------------------------------------
@@ -319,8 +334,7 @@ def _require_supported(megatron_fsdp) -> None:
     except importlib.metadata.PackageNotFoundError:
         # Imported from a source tree (Megatron-LM's megatron/core/distributed/fsdp/src) without package metadata.
         version = getattr(megatron_fsdp, "__version__", None)
-    match = re.match(r"(\d+)\.(\d+)", version or "")
-    if match is None or (int(match[1]), int(match[2])) != _MEGATRON_FSDP_SUPPORTED_MINOR:
+    if minor_of(version) != _MEGATRON_FSDP_SUPPORTED_MINOR:
         supported = ".".join(map(str, _MEGATRON_FSDP_SUPPORTED_MINOR)) + ".x"
         raise ReshardError(
             f"megatron-fsdp {version or '(unknown version)'} is not supported by patch_megatron_fsdp(): it was "

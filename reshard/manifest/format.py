@@ -18,6 +18,7 @@ copied to node-local disks on their own (`reshard files`).
 from __future__ import annotations
 
 import json
+import re
 
 from ..errors import ManifestError
 
@@ -26,6 +27,8 @@ MANIFEST_FORMAT = "reshard"
 MANIFEST_VERSION = 3  # 2: file entries name a run of `order`; chunks follow from placements. 3: no `ranks` per coord
 READ_VERSIONS = (2, 3)  # a version 2 manifest lists each coordinate's ranks: read, and checked against the mesh
 SHARD_FILE = "shard-{coord:05d}-model-{part:05d}-of-{parts:05d}.safetensors"
+# A name of that pattern (coord, part, parts), as transformers' own distributed-checkpoint save writes it too.
+SHARD_FILE_NAME = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 DCP_VERSION_KEY = "DCP_VERSION"
 DCP_VERSION = "1.0"

@@ -25,19 +25,17 @@ to offsets with the same forward machinery `write` uses.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, coverage_problem, header_problems,
-                        read_manifest, region_text, tied_from_record)
+from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, SHARD_FILE_NAME, coverage_problem,
+                        header_problems, read_manifest, region_text, tied_from_record)
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, role_of, whole_tensor
 from ..plan.mesh import ranks_text
 from ..words import plural
 from .checkpoint import CheckpointIndex, copied_files, read_config
 from .safetensors_header import FileHeader, TensorEntry, header_of
 
-SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 RESHARD, SAVED = "reshard", "saved"
 
 
@@ -174,7 +172,7 @@ def _saved_files(names, where: str) -> list[str]:
     """The rank files, checked complete: ranks 1..R without a hole, each with parts 1..N of the N it names."""
     found: dict[int, dict[int, int]] = {}
     for name in names:
-        m = SAVED_FILE.match(name)
+        m = SHARD_FILE_NAME.match(name)
         if m:
             found.setdefault(int(m[1]), {})[int(m[2])] = int(m[3])
     missing = [f"shard-{r:05d}-model-*" for r in range(1, max(found) + 1) if r not in found]
@@ -188,7 +186,7 @@ def _saved_files(names, where: str) -> list[str]:
         raise CheckpointError(f"{where}: {plural(len(missing), 'rank file')} missing: {', '.join(missing[:4])}"
                               f"{' ...' if len(missing) > 4 else ''}. Every rank of the saving job writes one; copy "
                               "each missing file back. Nothing was written.", path=where)
-    return sorted(name for name in names if SAVED_FILE.match(name))
+    return sorted(name for name in names if SHARD_FILE_NAME.match(name))
 
 
 def _saved_offsets(header: FileHeader, where: str) -> dict[str, tuple[int, ...]]:

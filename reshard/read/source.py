@@ -25,7 +25,7 @@ from enum import Enum
 from pathlib import Path
 
 from ..errors import CheckpointError, UsageError
-from ..manifest import MANIFEST_NAME
+from ..manifest import MANIFEST_NAME, SHARD_FILE_NAME
 from .checkpoint import CheckpointIndex, checkpoint_index
 from .hub import cache_repo_of, hub_store
 from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, RemoteStore
@@ -34,7 +34,6 @@ from .store import LocalStore, Store
 S3_SCHEMES = ("s3://", "s3a://")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_SAVED_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 
 
 class Where(str, Enum):
@@ -206,7 +205,7 @@ def kind_of(names) -> Kind:
     """A folder's kind from its file names: a manifest makes a reshard folder, rank files a saved one."""
     if MANIFEST_NAME in names:
         return Kind.RESHARD
-    if any(_SAVED_FILE.match(n) for n in names):
+    if any(SHARD_FILE_NAME.match(n) for n in names):
         return Kind.SAVED
     return Kind.CHECKPOINT
 

@@ -382,7 +382,7 @@ class _Rank:
             source_crcs.check()  # a damaged source file is refused before the output is put in place
             self.stage.complete()
         except BaseException as e:
-            self.stage.discard(interrupted=isinstance(e, KeyboardInterrupt))
+            self.stage.discard(interrupted=e)
             ranks.announce("outcome", self._reason(e))
             self.agreed = True
             if isinstance(e, OSError):
@@ -440,10 +440,10 @@ class _Rank:
     def _clean_up(self, e: BaseException) -> None:
         ranks, interrupted = self.ranks, isinstance(e, KeyboardInterrupt)
         if self.stage is not None and (not self.handed_over or self.node_local) and not self._completed():
-            self.stage.discard(interrupted=interrupted)
+            self.stage.discard(interrupted=e)
         elif not self.handed_over and self.tmp is not None and self.stage is None:
             # interrupted: removed for a moment only, the rest by the next write
-            remove_temporary(self.tmp, self.out, interrupted=interrupted)  # several ranks may try: harmless
+            remove_temporary(self.tmp, self.out, interrupted=e)  # several ranks may try: harmless
         if not self.agreed:
             why = (f"rank {ranks.rank} on {ranks.host} was interrupted" if interrupted else
                    f"rank {ranks.rank} on {ranks.host} stopped ({type(e).__name__}: {e})")

@@ -33,9 +33,6 @@ from .lock import write_lock
 INTERRUPT_CLEANUP_S = 1.0  # an interrupted write removes its temporary folder this long at most, then exits
 TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
 
-# (temporary folder, OUT) pairs an interrupted write of this process could not remove in time (`remove_within`): the
-# CLI's last line names them instead of saying that nothing was left (`left_behind_text`).
-left_behind: list[tuple[Path, Path]] = []
 
 
 # ---- what may be replaced ----------------------------------------------------------------------------------------
@@ -148,7 +145,7 @@ class StagedOutput:
             self.discard()
             raise self.error(e) from e
         except BaseException as e:
-            self.discard(interrupted=isinstance(e, KeyboardInterrupt))
+            self.discard(interrupted=e)
             raise
 
     def complete(self) -> None:
@@ -157,11 +154,13 @@ class StagedOutput:
         fsync_dir(self.tmp)
         replace(self.tmp, self.out, self.overwrite, self.rule)
 
-    def discard(self, *, interrupted: bool = False) -> None:
-        """After a failure or interruption: put OUT back if this write had moved it aside, remove the temporaries.
+    def discard(self, *, interrupted: BaseException | None = None) -> None:
+        """After a failure, or `interrupted` by one: put OUT back if this write had moved it aside, remove the
+        temporaries.
 
-        Interrupted (Ctrl-C, SIGTERM), the removal takes `INTERRUPT_CLEANUP_S` at most (`remove_within`), so the
-        process exits at once even after writing 20,000 files; the rest is left for the next write to OUT.
+        Interrupted (a KeyboardInterrupt: Ctrl-C, SIGTERM), the removal takes `INTERRUPT_CLEANUP_S` at most
+        (`remove_within`), so the process exits at once even after writing 20,000 files; the rest is left for the
+        next write to OUT, and the interrupt carries what was left (`left_behind_text`).
         """
         aside = aside_path(self.out)
         if os.path.lexists(aside) and not os.path.lexists(self.out):
@@ -217,23 +216,24 @@ def refuse_source_overlap(out: Path, sources) -> None:
                               "source. Nothing was changed. Choose another output folder.")
 
 
-def remove_temporary(folder: Path, out: Path, *, interrupted: bool = False) -> None:
-    """Remove a temporary folder of a write to `out`: whole, or, interrupted, for `INTERRUPT_CLEANUP_S` at most."""
-    if interrupted:
-        remove_within(folder, out, INTERRUPT_CLEANUP_S)
-    else:
+def remove_temporary(folder: Path, out: Path, *, interrupted: BaseException | None = None) -> None:
+    """Remove a temporary folder of a write to `out`: whole, or, interrupted by a KeyboardInterrupt, for
+    `INTERRUPT_CLEANUP_S` at most; what remains then travels with the interrupt (its `left_behind` pairs)."""
+    if not isinstance(interrupted, KeyboardInterrupt):
         shutil.rmtree(folder, ignore_errors=True)
+    elif (stale := remove_within(folder, out, INTERRUPT_CLEANUP_S)) is not None:
+        interrupted.left_behind = (*getattr(interrupted, "left_behind", ()), (stale, out))
 
 
-def remove_within(folder: Path, out: Path, seconds: float) -> None:
-    """Remove the temporary `folder` of a write to `out` for at most `seconds`, then stop.
+def remove_within(folder: Path, out: Path, seconds: float) -> Path | None:
+    """Remove the temporary `folder` of a write to `out` for at most `seconds`, then stop; the folder left, if any.
 
     It is first renamed `.OUT.reshard-tmp-stale-PID-N`: whatever is left is then plainly stale, and the next write
     to OUT removes it under its lock (`clean_stale_temporaries`, as after a SIGKILL). Measured: 20,000 files took
     35-56 s to delete on a loaded file system, far past the few seconds a SIGTERM is given before a SIGKILL.
     """
     if not os.path.lexists(folder):
-        return
+        return None
     stale = out.parent / f".{out.name}{TMP_MARK}stale-{os.getpid()}-{time.monotonic_ns()}"
     try:
         os.rename(folder, stale)
@@ -255,12 +255,12 @@ def remove_within(folder: Path, out: Path, seconds: float) -> None:
         os.rmdir(stale)  # fails while entries remain: the time ran out
     except OSError:
         pass
-    if os.path.lexists(stale):
-        left_behind.append((stale, out))
+    return stale if os.path.lexists(stale) else None
 
 
-def left_behind_text() -> str:
-    """What the interrupted writes of this process left on disk and when it is cleaned, for the CLI's last line."""
+def left_behind_text(interrupt: BaseException) -> str:
+    """What the writes `interrupt` stopped left on disk and when it is cleaned, for the CLI's last line."""
+    left_behind = getattr(interrupt, "left_behind", ())
     if not left_behind:
         return "nothing partial was left behind."
     lines = []
