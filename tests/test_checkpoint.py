@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -66,7 +67,7 @@ def write_index(root: Path, weight_map: dict) -> None:
 
 
 def raises(source, *fragments: str) -> CheckpointError:
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match=re.escape(fragments[0])) as info:
         read_checkpoint(source)
     message = str(info.value)
     for fragment in fragments:
@@ -279,7 +280,7 @@ def test_entry_without_offsets(tmp_path):
     {"w": [1, 2]},
 ])
 def test_malformed_entries_name_the_entry(header):
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="bad.safetensors") as info:
         parse_header(json.dumps(header).encode(), file="bad.safetensors", file_size=None)
     assert "bad.safetensors" in str(info.value) and "'w'" in str(info.value)
 
@@ -462,7 +463,7 @@ def test_hub_link_out_of_the_repo_cache_is_still_refused(tmp_path, offline_hub):
 
 
 def test_hub_repo_not_cached_offline(offline_hub):
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="org/not-cached") as info:
         read_checkpoint("org/not-cached")
     message = str(info.value)
     assert "org/not-cached" in message
@@ -481,7 +482,7 @@ def test_hub_repo_with_only_metadata_cached_offline(tmp_path, offline_hub):
         read_checkpoint("org/partial")
     assert isinstance(info.value.__cause__, OfflineModeIsEnabled)  # refused by huggingface-hub, not by our socket guard
 
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="no .safetensors files") as info:
         read_checkpoint("org/partial", need_data=True)
     message = str(info.value)
     assert "org/partial" in message and "no .safetensors files" in message and "HF_HUB_OFFLINE" in message

@@ -298,7 +298,7 @@ def test_verify_compares_every_replicated_copy_with_the_source(glm):
 
     rewrite(out, firsts[2], change)  # the copy in coordinate 2 only; sizes and CRC-32s stay true
     verify(out)  # the structure is sound: only the bytes differ
-    with pytest.raises(VerifyError) as info:
+    with pytest.raises(VerifyError, match="differs from the source") as info:
         verify(out, against=src)
     assert info.value.problems == [f"{firsts[2]}: {name} differs from the source at chunk ((0, 10),)"]
 
@@ -307,7 +307,7 @@ def test_verify_rejects_a_replicated_tensor_in_some_coordinates_or_in_part(glm):
     src, out = glm
     firsts = replicated_in(out, {0, 1})
     name = replicated_names(out)[0]
-    with pytest.raises(VerifyError) as info:
+    with pytest.raises(VerifyError, match="differently from the manifest") as info:
         verify(out)
     assert info.value.problems == [f"{firsts[c]}: header holds [{name!r}] differently from the manifest"
                                    for c in (2, 3)]
@@ -317,6 +317,6 @@ def test_verify_rejects_a_replicated_tensor_in_some_coordinates_or_in_part(glm):
 
     write_checkpoint(src, out, MESH, overwrite=True, progress=False)  # every copy back
     rewrite(out, firsts[3], halve)
-    with pytest.raises(VerifyError) as info:
+    with pytest.raises(VerifyError, match="differ from the manifest") as info:
         verify(out)
     assert info.value.problems == [f"{firsts[3]}: {name} shape/offsets [5]/[0] differ from the manifest's [10]/[0]"]

@@ -46,7 +46,7 @@ def test_unpad_vocab_is_the_source_itself_when_it_stores_exactly_the_models_rows
 
 
 def test_a_padded_unembedding_is_refused_with_both_shapes():
-    with pytest.raises(ArchitectureError) as e:
+    with pytest.raises(ArchitectureError, match="padded") as e:
         _compose_one((512, 64), (520, 64), _op("Inkling2UnpadVocab"))
     assert isinstance(e.value, ReshardError)
     message = str(e.value)
@@ -55,7 +55,7 @@ def test_a_padded_unembedding_is_refused_with_both_shapes():
 
 
 def test_split_is_refused_naming_the_fused_source_and_its_parts():
-    with pytest.raises(ArchitectureError) as e:
+    with pytest.raises(ArchitectureError, match="Split of") as e:
         _compose_one((64, 64), (128, 64), _op("Split", dim=0), sources=("query_key_value",),
                      targets=("q_proj", "k_proj", "v_proj"))
     message = str(e.value)

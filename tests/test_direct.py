@@ -173,7 +173,7 @@ def test_a_full_disk_in_a_writer_thread_fails_the_job_with_nothing_left(folders,
 
     seen = direct_writes(monkeypatch, fail)
     found, _ = folders
-    with pytest.raises(OutputError) as info, hang_guard(120):
+    with pytest.raises(OutputError, match="(?i)space") as info, hang_guard(120):
         JOBS[job](found, tmp_path / "out")
     assert at in seen
     assert "space" in str(info.value).lower(), str(info.value)

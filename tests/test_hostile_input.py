@@ -174,7 +174,7 @@ def test_a_header_nested_200000_deep_is_a_checkpoint_error(tmp_path):
     raw = b"[" * 200_000 + b"]" * 200_000
     raw += b" " * (-len(raw) % 8)
     (tmp_path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="nested deeper") as info:
         read_checkpoint(tmp_path)
     assert "model.safetensors" in str(info.value) and "nested deeper" in str(info.value)
     result = invoke("plan", tmp_path, "--fsdp", "2")
@@ -323,7 +323,7 @@ def test_a_refused_write_removes_the_parent_folders_it_made(folders, tmp_path, m
     assert list(small.iterdir()) == [], "the refused write left the folders it made"
     (small / "x").mkdir()
     (small / "x" / "mine.txt").write_text("the user's")  # an existing parent is never touched
-    with pytest.raises(OutputError):
+    with pytest.raises(OutputError, match="4.00 KiB free"):
         write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)
     assert sorted(p.name for p in (small / "x").iterdir()) == ["mine.txt"]
 

@@ -246,7 +246,7 @@ def test_a_write_group_without_a_launcher_says_how_to_launch_it(monkeypatch):
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(variable, raising=False)
     assert not dist.is_initialized()
-    with pytest.raises(OutputError) as e:
+    with pytest.raises(OutputError, match="RANK, LOCAL_RANK and WORLD_SIZE are not set") as e:
         gloo_group("write")
     assert str(e.value) == ("a distributed write runs as one rank of a torchrun job, but RANK, LOCAL_RANK and "
                             "WORLD_SIZE are not set. Launch it with `torchrun ... -m reshard write ...`, or drop "
@@ -262,14 +262,14 @@ def test_an_owned_group_is_destroyed_on_failure_and_at_exit_on_success(monkeypat
     destroyed, registered = [], []
     monkeypatch.setattr(launch, "destroy_own_group", lambda: destroyed.append(True))
     monkeypatch.setattr(atexit, "register", registered.append)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="^$"):
         with launch.group_owned(created=True):
             raise KeyboardInterrupt
     assert destroyed == [True] and registered == []
     with launch.group_owned(created=True):
         pass
     assert destroyed == [True] and registered == [launch.destroy_own_group]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^$"):
         with launch.group_owned(created=False):  # the caller's own group: never touched
             raise ValueError
     assert destroyed == [True] and len(registered) == 1
@@ -286,10 +286,10 @@ def test_an_agreed_failure_names_each_failing_rank_once_per_cause():
                             "stopped; nothing was kept.")
     assert agreed_failure([None, None], "cannot write", OutputError) is None
     raise_if_any([None, None, None])  # every rank fine: nothing raised
-    with pytest.raises(LoadError) as e:
+    with pytest.raises(LoadError, match="^written for 4 ranks$") as e:
         raise_if_any(["written for 4 ranks", "written for 4 ranks"])
     assert str(e.value) == "written for 4 ranks"  # the same on every rank: said once, as it is
-    with pytest.raises(LoadError) as e:
+    with pytest.raises(LoadError, match="1 of 2 ranks cannot load") as e:
         raise_if_any([None, "truncated"])
     assert str(e.value) == ("1 of 2 ranks cannot load (rank 1: truncated). Every rank stops here. Run `reshard "
                             "verify` on the folder, or write it again.")

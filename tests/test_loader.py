@@ -335,7 +335,7 @@ def test_patch_refuses_when_a_hook_vanishes(monkeypatch):
 
     reshard.unpatch_transformers()
     monkeypatch.delattr(mu, "_dtensor_from_local_like")
-    with pytest.raises(reshard.ReshardError) as refused:
+    with pytest.raises(reshard.ReshardError, match="_dtensor_from_local_like \\(called\\): it is missing") as refused:
         reshard.patch_transformers()
     message = str(refused.value)
     assert "transformers.modeling_utils._dtensor_from_local_like (called): it is missing" in message
@@ -353,7 +353,7 @@ def test_patch_refuses_when_a_signature_changes(monkeypatch):
 
     reshard.unpatch_transformers()
     monkeypatch.setattr(mixin, "_load_model_checkpoint_distributed", changed)
-    with pytest.raises(reshard.ReshardError) as refused:
+    with pytest.raises(reshard.ReshardError, match="reshard expects parameters") as refused:
         reshard.patch_transformers()
     message = str(refused.value)
     assert ("transformers.distributed.mixin._load_model_checkpoint_distributed (wrapped): reshard expects parameters "

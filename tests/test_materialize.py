@@ -288,7 +288,7 @@ def test_replacement_keeps_to_empty_signature():
     block = meta_block()
     bias = block.router.expert_bias
     with meta_only_to_empty():
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match="positional argument"):
             block.to_empty("cpu")  # device is keyword-only, as in torch
         # device=None: stock reallocates each tensor where it is (meta stays meta); real tensors are still kept.
         assert block.to_empty(device=None) is block

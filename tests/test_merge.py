@@ -244,13 +244,13 @@ def test_an_interrupted_merge_leaves_nothing(written, tmp_path, monkeypatch):
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(merge, "write_safetensors", fail_second)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
         merge_checkpoint(folder, tmp_path / "dest", progress=False, max_shard_size=100_000)
     nothing_beside(tmp_path / "dest")
     merge_checkpoint(folder, tmp_path / "old", progress=False)
     before = tensors_of(tmp_path / "old")
     calls.clear()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
         merge_checkpoint(folder, tmp_path / "old", progress=False, overwrite=True, layout="fused",
                          max_shard_size=100_000)
     assert_equal_tensors(tensors_of(tmp_path / "old"), before)  # the old output, whole

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("field", ["fsdp", "ep", "dp_replicate", "tp", "pp"])
 @pytest.mark.parametrize("value", [0, -2, 2.0, "4", None])
 def test_sizes_must_be_positive_integers(field, value):
-    with pytest.raises(MeshError) as info:
+    with pytest.raises(MeshError, match="must be a positive integer") as info:
         MeshSpec(**{field: value})
     flag = "--" + field.replace("_", "-")
     assert str(info.value) == f"{flag} must be a positive integer, got {value!r}."
@@ -33,28 +33,28 @@ def test_sizes_must_be_positive_integers(field, value):
 
 @pytest.mark.parametrize("fsdp, ep", [(8, 3), (6, 4), (4, 8), (10, 4)])
 def test_ep_must_divide_fsdp(fsdp, ep):
-    with pytest.raises(MeshError) as info:
+    with pytest.raises(MeshError, match="is not divisible by ep") as info:
         MeshSpec(fsdp=fsdp, ep=ep)
     assert f"fsdp ({fsdp}) is not divisible by ep ({ep})" in str(info.value)
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (4, 4)])
 def test_tp_and_pp_are_refused(tp, pp):
-    with pytest.raises(MeshError) as info:
+    with pytest.raises(MeshError, match="not supported yet") as info:
         MeshSpec(fsdp=8, tp=tp, pp=pp)
     message = str(info.value)
     assert f"tp={tp}, pp={pp}" in message and "not supported yet" in message and "--tp 1 --pp 1" in message
 
 
 def test_mesh_error_is_a_value_error_and_a_reshard_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="--fsdp must be a positive integer, got 0"):
         MeshSpec(fsdp=0)
     assert issubclass(MeshError, ReshardError)
 
 
 def test_frozen():
     spec = MeshSpec(fsdp=4)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field \'fsdp\'"):
         spec.fsdp = 8  # type: ignore[misc]
 
 
@@ -159,7 +159,7 @@ def test_accepts_exactly_what_distributed_config_accepts(fsdp, ep, dp_replicate)
     try:
         DistributedConfig(fsdp_size=fsdp, ep_size=ep, dp_replicate_size=dp_replicate)
     except ValueError:
-        with pytest.raises(MeshError):
+        with pytest.raises(MeshError, match="not divisible"):
             MeshSpec(fsdp=fsdp, ep=ep, dp_replicate=dp_replicate)
     else:
         spec = MeshSpec(fsdp=fsdp, ep=ep, dp_replicate=dp_replicate)

@@ -126,7 +126,7 @@ def test_a_kill_after_seconds_reaches_processes_in_their_own_session(disks):
 def test_a_hang_fails_with_each_nodes_output_and_leaves_no_process(disks):
     mount_at, node_dirs, reports = disks
     stall = "echo node 1 stalls; setsid bash -c 'sleep 600; :' \"$MOUNT_AT\""  # node 0's agent waits for it
-    with pytest.raises(pytest.fail.Exception) as failure:
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 8s") as failure:
         run_nodes("nodes_smoke.py", "see", mount_at, reports, mount_at=mount_at, node_dirs=node_dirs[:2],
                   timeout=8, setup={1: stall})
     message = str(failure.value)

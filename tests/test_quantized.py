@@ -381,7 +381,7 @@ def test_a_quantized_source_without_the_flag_is_a_usage_error(models, tmp_path):
     assert result.exit_code == 2
     assert "pass --dequantize bf16" in result.output and "MXFP4" in result.output
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="--dequantize bf16"):
         write_checkpoint(src, tmp_path / "out", EMPTY_MESH, progress=False)
     with pytest.raises(QuantizationError):  # a scale with no weight
         index_dir = tmp_path / "lonely"

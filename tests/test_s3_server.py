@@ -441,7 +441,7 @@ def test_start_shows_the_output_of_a_weed_that_exits(tmp_path, monkeypatch):
     fake_weed(tmp_path / "bin", f"env > {tmp_path / 'env'}\necho 'fake weed: no volume today' >&2\nexit 3\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone")
-    with pytest.raises(S3ServerError) as err:
+    with pytest.raises(S3ServerError, match="exited with status 3") as err:
         S3Server.start(timeout=10)
     message = str(err.value)
     assert str(tmp_path / "bin" / "weed") in message and "exited with status 3" in message

@@ -122,7 +122,7 @@ def test_a_flipped_byte_or_a_file_unlike_the_manifest_is_a_load_error(folders, r
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "reshard.json").write_text("{not json")  # there but unreadable: never read as a plain folder
-    with pytest.raises(LoadError):
+    with pytest.raises(LoadError, match="reshard.json"):
         reshard.StorageReader(broken)
 
 

@@ -98,7 +98,7 @@ def test_corrupt_source_header(tiny, tmp_path):
     data[8:16] = b"#garble#"  # the JSON header now starts with garbage; the length prefix is intact
     path.write_bytes(bytes(data))
     out = tmp_path / "out"
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="not valid JSON") as info:
         write_checkpoint(src, out, MESH, progress=False)
     assert "model.safetensors" in str(info.value) and "not valid JSON" in str(info.value)
     assert_nothing_left(out)
@@ -114,7 +114,7 @@ def test_missing_source_shard(tiny, tmp_path):
     verify(good, against=src)
     (src / names[1]).unlink()
     out = tmp_path / "out"
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="does not exist") as info:
         write_checkpoint(src, out, MESH, progress=False)
     assert names[1] in str(info.value) and "does not exist" in str(info.value)
     assert_nothing_left(out)
@@ -142,7 +142,7 @@ def test_disk_full_at_fsync(tiny, tmp_path, monkeypatch):
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    with pytest.raises(OutputError) as info:
+    with pytest.raises(OutputError, match="(?i)no space left") as info:
         write_checkpoint(src, out, MESH, progress=False)
     assert len(calls) == 2
     assert "no space left" in str(info.value).lower()
@@ -209,7 +209,7 @@ def test_not_enough_free_space_is_refused_before_writing(tiny, tmp_path, monkeyp
     out = tmp_path / "out"
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
-    with pytest.raises(OutputError) as info:
+    with pytest.raises(OutputError, match="4.00 KiB free, the output needs") as info:
         write_checkpoint(src, out, MESH, progress=False)
     assert "4.00 KiB free, the output needs" in str(info.value) and "Nothing was changed" in str(info.value)
     assert_nothing_left(out)

@@ -283,7 +283,7 @@ def test_overwrite_refuses_anything_but_a_reshard_output(tiny, tmp_path, content
         out.write_text("a file")
     before = tree(tmp_path)
     if content == "out-is-a-file":  # the CLI refuses it as a bad call (exit 2); the library says why
-        with pytest.raises(OutputError) as info:
+        with pytest.raises(OutputError, match="it is not a folder") as info:
             write_checkpoint(src, out, MESH, overwrite=True, progress=False)
         message = str(info.value)
         assert "it is not a folder" in message
@@ -491,7 +491,7 @@ def test_stale_temporaries_are_removed_only_when_their_lock_is_free(tiny, tmp_pa
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, b"otherhost 999999\n")
-        with pytest.raises(OutputError) as info:
+        with pytest.raises(OutputError, match="another reshard write \\(host otherhost, pid 999999\\)") as info:
             write_checkpoint(src, out, MESH, progress=False)
         assert "another reshard write (host otherhost, pid 999999)" in str(info.value)
         assert (theirs / "shard-00001-model-00001-of-00001.safetensors").read_bytes() == b"in progress"
