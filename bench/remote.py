@@ -4,8 +4,13 @@
     python bench/remote.py                          # 2 GB, 3 runs of each
     python bench/remote.py --size-gb 1 --runs 5 --json remote.json
     python bench/remote.py --direct --profile       # also: S3 without the logging proxy; a profiled write
+    python bench/remote.py --size-gb 0.4 --skip write,load --profile   # the profile alone
 
 What it does:
+
+Into S3 (`--skip` without `upload`): `reshard merge FOLDER s3://B/merged-N` against the raw multipart upload of the
+same files (a local `reshard merge FOLDER` output) with the same part size and parts in flight, alternating, each a
+whole process; the throughput ratio (raw seconds / reshard seconds, median of pairs) and each one's peak RSS.
 
 1. Starts the tests' S3 server (tests/s3_server.py: SeaweedFS `weed`, which must be on PATH, on 127.0.0.1 behind a
    logging proxy that runs in this process). It is stopped at the end whatever happens.
@@ -14,9 +19,11 @@ What it does:
    it warm, the documented plan-then-write workflow), and writes FOLDER = `reshard write SRC --fsdp 4 --ep 2` (the
    mesh of a 4-rank load). Both are uploaded to a fresh bucket, one PUT per file, straight to weed.
 3. Alternates, `--runs` times (the order turns each round), each a whole process timed with its `sync`:
-   (a) `python -m reshard write s3://B/src OUT --fsdp 8 --ep 2 -q`, the same write from the local SRC, and "fetch
-       only": every tensor file of s3://B/src read through reshard's own store in 32 MiB ranges, 4 at once, and
-       dropped (the floor of the S3 write: no planning, no output, no CRC); the writes' files must be the same;
+   (a) `python -m reshard write s3://B/src OUT --fsdp 8 --ep 2 -q`, the same write from the local SRC, and the
+       yardsticks: every tensor file of s3://B/src read with plain ranged GETs through s3fs (`cat_file`) and
+       dropped, in sequential 64 MiB ranges, and in the fastest of a few parallel settings (each tried once before
+       the runs); the writes' files must be the same. The write's throughput over the GETs' (median of the pairs)
+       is the figure the S3 path is held to, and its CPU seconds beyond the local write's, per GB, its cost;
    (b) `torchrun --nproc-per-node 4 bench/remote_rank.py s3://B/folder` (gloo, OMP_NUM_THREADS=1:
        `reshard.from_pretrained`, CRC-32s checked) and the same load of the local FOLDER.
    The local runs read a warm page cache (SRC and FOLDER are read once before each). weed's own files were just
@@ -60,19 +67,57 @@ GB = 10**9
 RANK_SCRIPT = BENCH / "remote_rank.py"
 RANKS = 4
 
-# The floor of a write from S3: every tensor file of the prefix read through reshard's own store (same s3fs client and
-# settings), in READ_BLOCK ranges, PREFETCH at once, and dropped: no planning, no output, no CRC.
-FETCH_ONLY = """
+# The yardstick of a write from S3: every tensor file of the prefix read with plain ranged GETs through s3fs
+# (`cat_file`), RANGE bytes each, THREADS at once (1: one after the other), and dropped: no planning, no output, no CRC.
+RAW_GETS = """
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from reshard.read.source import locate
-from reshard.read.store import READ_BLOCK
-from reshard.runs.fetch import PREFETCH
-store = locate(sys.argv[1]).store
-parts = [(n, o, min(READ_BLOCK, store.size(n) - o)) for n in store.names() if n.endswith('.safetensors')
-         for o in range(0, store.size(n), READ_BLOCK)]
-with ThreadPoolExecutor(PREFETCH) as pool:
-    print(sum(pool.map(lambda p: len(store.read(*p)), parts)))
+import s3fs
+url, block, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fs = s3fs.S3FileSystem()
+files = [(e['name'], e['size']) for e in fs.ls(url.removeprefix('s3://'), detail=True)
+         if e['name'].endswith('.safetensors')]
+parts = [(n, o, min(o + block, size)) for n, size in files for o in range(0, size, block)]
+def get(part):
+    return len(fs.cat_file(part[0], start=part[1], end=part[2]))
+with ThreadPoolExecutor(threads) as pool:
+    print(sum(pool.map(get, parts)))
+"""
+SEQUENTIAL = (64 << 20, 1)  # the issue's yardstick: 64 MiB ranges, one after the other
+PARALLEL = [(16 << 20, 4), (16 << 20, 8), (32 << 20, 4), (64 << 20, 4)]  # tried once; the fastest is timed
+
+# The floor of a merge into S3: the files of a local merge output sent as raw multipart uploads (the same s3fs client
+# and settings, the same part size, the same parts in flight as reshard's bucket output), each file's uploads in turn.
+RAW_UPLOAD = """
+import os, sys
+from concurrent.futures import ThreadPoolExecutor
+import s3fs
+from reshard.read.source import s3_filesystem
+from reshard.write.bucket import PARTS_IN_FLIGHT, part_bytes
+folder, url = sys.argv[1], sys.argv[2]
+bucket, prefix = url.split("://", 1)[1].split("/", 1)
+fs = s3_filesystem(s3fs)
+def send(key, upload, number, path, start, n):
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(n)
+    for attempt in range(4):  # as reshard's bound: a loaded machine times a request out now and then
+        try:
+            answer = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=data)
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+        except Exception:
+            if attempt == 3:
+                raise
+with ThreadPoolExecutor(PARTS_IN_FLIGHT) as pool:
+    for name in sorted(os.listdir(folder)):
+        path, key = os.path.join(folder, name), f"{prefix}/{name}"
+        size = os.path.getsize(path)
+        step = part_bytes(size)
+        upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        parts = list(pool.map(lambda a: send(key, upload, *a), [(i + 1, path, o, min(step, size - o))
+                                                                  for i, o in enumerate(range(0, size, step))]))
+        fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                   MultipartUpload={"Parts": parts})
 """
 
 
@@ -158,10 +203,33 @@ class Bench:
         wb.remove(out)
         return row
 
-    def fetch_only(self, src: str, prefix: str) -> dict:
-        row = self.measure([sys.executable, "-c", FETCH_ONLY, src], logged=True)
+    def raw_gets(self, src: str, prefix: str, setting: tuple[int, int]) -> dict:
+        row = self.measure([sys.executable, "-c", RAW_GETS, src, str(setting[0]), str(setting[1])], logged=True)
         row.update(traffic(self.server, self.bucket, prefix))
         return row
+
+    def upload(self, folder: Path, merged: Path, kind: str, run: int) -> dict:
+        """`reshard merge FOLDER s3://...` (kind "merge"), or the raw multipart upload of MERGED (kind "raw")."""
+        url = f"s3://{self.bucket}/{kind}-{run}"
+        cmd = ([sys.executable, "-m", "reshard", "merge", str(folder), url, "-q"] if kind == "merge" else
+               [sys.executable, "-c", RAW_UPLOAD, str(merged), url])
+        row = self.measure(cmd, logged=True)
+        logged = [r for r in self.server.requests(bucket=self.bucket, wait=30) if r.key.startswith(f"{kind}-{run}/")
+                  and r.method in ("PUT", "POST") and ".reshard-write-check" not in r.key]  # not the permission check
+        row["parts"] = sum(1 for r in logged if r.method == "PUT" and "partNumber=" in r.query)
+        row["sent"] = sum(r.received for r in logged if r.method == "PUT")
+        # the upload itself, as the server saw it: from the first upload opened to the last request done (Python's
+        # start, imports and planning left out, which the whole-process time counts)
+        row["upload_seconds"] = max(r.started + r.seconds for r in logged) - min(r.started for r in logged)
+        import s3fs
+
+        s3fs.S3FileSystem(**self.fs_options()).rm(f"{self.bucket}/{kind}-{run}", recursive=True)
+        return row
+
+    def fs_options(self) -> dict:
+        env = self.client_env()
+        return {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
+                "endpoint_url": env["AWS_ENDPOINT_URL_S3"], "skip_instance_cache": True}
 
     def load(self, folder: str, where: str, prefix: str, architecture: str) -> dict:
         reports = Path(tempfile.mkdtemp(prefix="ranks-", dir=self.work))
@@ -234,30 +302,50 @@ def alternate(kinds: list[str], runs: int):
             yield i, kind
 
 
+def best_parallel(bench: Bench, url: str) -> tuple[int, int]:
+    """The fastest of the PARALLEL settings of plain ranged GETs, each run once."""
+    timed = []
+    for setting in PARALLEL:
+        row = bench.raw_gets(url, "src/", setting)
+        print(f"  raw GETs, {setting[0] >> 20} MiB x {setting[1]} threads: {row['seconds']:.2f} s", flush=True)
+        timed.append((row["seconds"], setting))
+    return min(timed)[1]
+
+
+def raw_name(setting: tuple[int, int]) -> str:
+    return f"  s3fs GETs {setting[0] >> 20} MiB x {setting[1]}"
+
+
 def bench_writes(bench: Bench, src: Path, total: int, wheres: list[str]) -> tuple[list[dict], dict]:
     files = sorted(src.glob("*.safetensors"))
     needed = sum(p.stat().st_size for p in files)  # every source file, headers and all: each tensor is written
     tensors = len(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
     url = {"s3": f"s3://{bench.bucket}/src", "local": str(src), "direct": f"s3://{bench.bucket}/src"}
-    kinds = wheres + ["fetch"]
+    settings = {"sequential": SEQUENTIAL, "parallel": best_parallel(bench, url["s3"])}
+    kinds = wheres + list(settings)
     runs: dict[str, list] = {k: [] for k in kinds}
     for i, kind in alternate(kinds, bench.args.runs):
         if kind == "local":
             wb.warm(src)
-        row = bench.fetch_only(url["s3"], "src/") if kind == "fetch" else bench.write(url[kind], kind, "src/")
+        row = (bench.raw_gets(url["s3"], "src/", settings[kind]) if kind in settings
+               else bench.write(url[kind], kind, "src/"))
         runs[kind].append(row)
         extra = (f", {row['gets']} GETs ({row['file_gets']} on tensor files), {row['fetched'] / GB:.3f} GB fetched, "
                  f"{row['stream_mb_s']:.0f} MB/s per request" if "gets" in row else "")
-        print(f"  run {i + 1} {'fetch only' if kind == 'fetch' else 'write ' + kind:12s} {row['seconds']:6.2f} s "
+        label = raw_name(settings[kind]).strip() if kind in settings else "write " + kind
+        print(f"  run {i + 1} {label:22s} {row['seconds']:6.2f} s "
               f"(cpu {row['cpu']:.1f} s, proxy {row['proxy_cpu']:.1f} s, weed {row['weed_cpu']:.1f} s, peak RSS "
               f"{(row['rss_kib'] or 0) / 1024:.0f} MiB{extra}; load avg {row['loadavg'][0]:.1f})", flush=True)
     if len({json.dumps(r["crc32"], sort_keys=True) for w in wheres for r in runs[w]}) != 1:
         raise SystemExit("the writes from S3 and from the local copy gave different files")
     names = {"s3": "write from s3://", "local": "write from local (warm)", "direct": "write from s3:// (no proxy)",
-             "fetch": "  fetch only (s3://, store)"}
+             "sequential": raw_name(SEQUENTIAL), "parallel": raw_name(settings["parallel"])}
     rows = [summary(names[k], runs[k], total, tensors, needed, load=False) for k in kinds]
     rows[0]["s3_over_local"] = pairs(runs["s3"], runs["local"])
-    rows[0]["fetch_over_s3"] = pairs(runs["fetch"], runs["s3"])
+    # throughput of the write over that of the plain GETs: the GETs' time over the write's, median of the pairs
+    rows[0]["over_sequential_gets"] = pairs(runs["sequential"], runs["s3"])
+    rows[0]["over_parallel_gets"] = pairs(runs["parallel"], runs["s3"])
+    rows[0]["cpu_s_per_gb_beyond_local"] = (rows[0]["cpu_s"] - rows[1]["cpu_s"]) / (total / GB)
     return rows, {k: [{n: v for n, v in r.items() if n != "crc32"} for r in runs[k]] for k in kinds}
 
 
@@ -289,26 +377,75 @@ def bench_loads(bench: Bench, folder: Path, total: int, architecture: str, where
     return rows, runs
 
 
+def bench_uploads(bench: Bench, folder: Path) -> tuple[list[dict], dict]:
+    """`reshard merge FOLDER s3://...` against the raw multipart upload of its files, alternating."""
+    merged = bench.work / "merged"
+    wb.run_timed([sys.executable, "-m", "reshard", "merge", str(folder), str(merged), "-q"], env=wb.env())
+    total = sum(p.stat().st_size for p in merged.iterdir())
+    print(f"MERGED: {total / GB:.2f} GB in {len(list(merged.iterdir()))} files", flush=True)
+    runs: dict[str, list] = {"merge": [], "raw": []}
+    for i, kind in alternate(["merge", "raw"], bench.args.runs):
+        if kind == "merge":
+            wb.warm(folder)
+        else:
+            wb.warm(merged)
+        row = bench.upload(folder, merged, kind, i)
+        runs[kind].append(row)
+        print(f"  run {i + 1} {kind:5s} into s3 {row['seconds']:6.2f} s, uploading {row['upload_seconds']:6.2f} s "
+              f"({total / row['upload_seconds'] / 1e6:.0f} MB/s, "
+              f"{row['parts']} parts, {row['sent'] / GB:.3f} GB sent, peak RSS {(row['rss_kib'] or 0) / 1024:.0f} "
+              f"MiB; load avg {row['loadavg'][0]:.1f})", flush=True)
+    rows = [summary("merge into s3://", runs["merge"], total, 0, total, load=False),
+            summary("  raw multipart PUTs", runs["raw"], total, 0, total, load=False)]
+    rows[0]["throughput_over_raw"] = pairs(runs["raw"], runs["merge"], "upload_seconds")
+    rows[0]["process_over_raw"] = pairs(runs["raw"], runs["merge"])
+    for row, kind in zip(rows, ("merge", "raw")):
+        row["upload_seconds"] = med(runs[kind], "upload_seconds")
+    wb.remove(merged)
+    return rows, runs
+
+
 def profile_write(bench: Bench, src_url: str) -> None:
-    """One in-process write from S3, straight to weed (the proxy shares this process), under cProfile: the main
-    thread's profile, and the CPU of all threads (the fetches run on a pool)."""
+    """One in-process write from S3, straight to weed (the proxy shares this process), under cProfile timed by each
+    thread's own CPU clock: every thread profiled (the fetches run on a pool, the client's event loop on its own
+    thread) and the profiles added up; the top entries by cumulative and by own CPU time."""
     import cProfile
     import pstats
+    import threading
 
     os.environ.update(bench.client_env(direct=True))
     sys.path.insert(0, str(wb.REPO))
     from reshard.api import write_checkpoint
     from reshard.plan.mesh import MeshSpec
 
+    profiles: list = []
+    run = threading.Thread.run
+
+    def profiled(thread):  # each thread started during the write runs under a profiler of its own
+        profiler = cProfile.Profile(time.thread_time)
+        profiles.append(profiler)
+        profiler.runcall(run, thread)
+
     out = bench.work / "out-profile"
-    profiler = cProfile.Profile()
+    main = cProfile.Profile(time.thread_time)  # CPU seconds of each thread, not the wall time it waited
+    profiles.append(main)
+    threading.Thread.run = profiled
     start, cpu = time.perf_counter(), time.process_time()
-    profiler.enable()
-    write_checkpoint(src_url, out, MeshSpec(fsdp=bench.args.fsdp, ep=bench.args.ep), progress=False)
-    profiler.disable()
+    try:
+        main.runcall(write_checkpoint, src_url, out, MeshSpec(fsdp=bench.args.fsdp, ep=bench.args.ep),
+                     progress=False)
+    finally:
+        threading.Thread.run = run
     print(f"\nprofile: in-process write from {src_url} (no proxy) {time.perf_counter() - start:.2f} s, "
-          f"{time.process_time() - cpu:.2f} CPU s (all threads)", flush=True)
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(10)
+          f"{time.process_time() - cpu:.2f} CPU s (all threads); {len(profiles)} threads profiled", flush=True)
+    stats = pstats.Stats(main)
+    for profiler in profiles[1:]:
+        try:
+            stats.add(profiler)
+        except TypeError:  # a thread still running (the client's event loop): its profile is not closed yet
+            pass
+    stats.sort_stats("cumulative").print_stats(25)
+    stats.sort_stats("tottime").print_stats(15)
     wb.remove(out)
 
 
@@ -321,8 +458,17 @@ def report(rows: list[dict], results: dict, args) -> None:
             print(f"  {r['measurement']}: s3 / local {r['s3_over_local']:.2f}x (median of pairs)"
                   + (f", from_pretrained {r['from_pretrained_s3_over_local']:.2f}x"
                      if "from_pretrained_s3_over_local" in r else "")
-                  + (f"; fetching alone takes {r['fetch_over_s3']:.2f}x the write's time" if "fetch_over_s3" in r
-                     else ""))
+                  + (f"; throughput {r['over_sequential_gets']:.2f}x sequential 64 MiB GETs, "
+                     f"{r['over_parallel_gets']:.2f}x the best parallel GETs; "
+                     f"{r['cpu_s_per_gb_beyond_local']:.2f} CPU s per GB beyond the local write"
+                     if "over_sequential_gets" in r else "")
+                  + (f"; fetched {r['fetched'] / r['bytes_needed']:.4f}x the rank files' bytes"
+                     if "from_pretrained_s3_over_local" in r and "fetched" in r else ""))
+    for r in rows:
+        if "throughput_over_raw" in r:
+            print(f"  {r['measurement']}: upload throughput {r['throughput_over_raw']:.2f}x raw multipart PUTs of the "
+                  f"same bytes (first upload opened to last request, median of pairs); whole process "
+                  f"{r['process_over_raw']:.2f}x")
     for r in rows:
         if r.get("stream_mb_s"):
             print(f"  {r['measurement'].strip()}: one request alone ran at {r['stream_mb_s']:.0f} MB/s (median)")
@@ -345,7 +491,7 @@ def main() -> None:
     parser.add_argument("--shard-gb", type=float, default=1.0, help="source file size (GB)")
     parser.add_argument("--direct", action="store_true",
                         help="also time each S3 command against weed's own port, without the proxy (not logged)")
-    parser.add_argument("--skip", default="", help="comma-separated: write, load")
+    parser.add_argument("--skip", default="", help="comma-separated: write, load, upload")
     parser.add_argument("--profile", action="store_true", help="also profile one in-process write from S3")
     parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: a temp folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -378,7 +524,7 @@ def main() -> None:
         if "write" not in skip:
             write_rows, results["runs"]["write"] = bench_writes(bench, src, total, wheres)
             rows += write_rows
-        if "load" not in skip:
+        if "load" not in skip or "upload" not in skip:
             load_src, load_total = src, total
             if args.load_size_gb and args.load_size_gb != args.size_gb:
                 load_src, load_total = wb.generate(work / "src-load", int(args.load_size_gb * GB),
@@ -391,8 +537,12 @@ def main() -> None:
             t = time.perf_counter()
             server.put_folder(folder, f"s3://{bench.bucket}/folder")
             print(f"  FOLDER uploaded in {time.perf_counter() - t:.1f} s", flush=True)
-            load_rows, results["runs"]["load"] = bench_loads(bench, folder, load_total, architecture, wheres)
-            rows += load_rows
+            if "load" not in skip:
+                load_rows, results["runs"]["load"] = bench_loads(bench, folder, load_total, architecture, wheres)
+                rows += load_rows
+            if "upload" not in skip:
+                upload_rows, results["runs"]["upload"] = bench_uploads(bench, folder)
+                rows += upload_rows
         report(rows, results, args)
         if args.profile:
             profile_write(bench, f"s3://{bench.bucket}/src")

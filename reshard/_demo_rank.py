@@ -37,6 +37,8 @@ def _count_reads():
 
 
 def main() -> None:
+    if os.environ.get("LOCAL_RANK") == "0":  # the driver echoes these lines: the imports take seconds per rank
+        print("reshard demo: the ranks started; importing torch and transformers", file=sys.stderr, flush=True)
     import torch
     import torch.distributed as dist
 
@@ -50,6 +52,9 @@ def main() -> None:
 
         reads = _count_reads()
         model = reshard.from_pretrained(out)
+        if rank == 0:
+            print("reshard demo: comparing every tensor with a single-process load of the source", file=sys.stderr,
+                  flush=True)
         reference = AutoModelForCausalLM.from_pretrained(src, use_kernels=False).state_dict()
         mismatched, experts = [], {}
         for name, tensor in model.state_dict().items():

@@ -14,7 +14,7 @@ from .plan.placement import LayoutMode, make_plan
 from .plan.ranks import RankSpans
 from .read.quant import OUTPUT_DTYPES
 from .read.source import DISTRIBUTED, Kind, is_url, open_source
-from .results import EnvResult, FilesResult, MergeResult, PlanResult, VerifyResult, WriteResult
+from .results import EnvResult, FilesResult, MergeResult, PlanResult, ServedResult, VerifyResult, WriteResult
 
 
 def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMode.BALANCED,
@@ -90,8 +90,9 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
             processes' ranks load; the mesh must have one rank per process.
 
     Returns:
-        A `WriteResult` (its `manifest` is the folder's; node-local, node 0's), or None on the ranks other than 0
-        of a distributed write.
+        A `WriteResult` (its `manifest` is the folder's; node-local, this node's copy's, with every node's copy on
+        node 0), or None on the ranks other than 0 of a distributed write (node-local: other than each node's
+        first).
 
     Raises:
         ReshardError: a problem with the source, the mesh or the output; nothing partial is left. In a distributed
@@ -106,9 +107,10 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     from .write.peers import Listing
     from .write.runner import run_job
     from .write.shards import WriteJob
-    from .write.staged import refuse_url_output
+    from .write.staged import check_url_output, refuse_empty_output
 
-    refuse_url_output(out, "OUT")
+    refuse_empty_output(out, "OUT")
+    check_url_output(out, "OUT", overwrite)
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
     check_max_shard_size(max_shard_size)
@@ -127,6 +129,9 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
                             list_from=Listing.of_source(source) if local_source else None)
     if job is None:
         return None
+    if node_local:  # this node's first rank: its own copy; node 0 the job's totals too
+        return WriteResult(manifest.result, str(out), str(source), kinds[-1].value, revision,
+                           node=manifest.copy.node, copies=manifest.copies)
     return WriteResult(manifest, str(out), str(source), kinds[-1].value, revision)
 
 
@@ -197,7 +202,8 @@ def list_files(out, ranks) -> FilesResult:
 
     Raises:
         ManifestError: the folder's manifest is unsound.
-        UsageError: a rank outside the folder's mesh (nothing is expanded then).
+        UsageError: a rank outside the folder's mesh (nothing is expanded then), or one whose files a node's copy
+            does not hold.
     """
     from .manifest import read_manifest
     from .plan.ranks import RankSpans
@@ -207,6 +213,12 @@ def list_files(out, ranks) -> FilesResult:
     manifest = read_manifest(store)
     spans = ranks if isinstance(ranks, RankSpans) else RankSpans.of(ranks)
     chosen = spans.expand(manifest.mesh.world_size)  # bounded by the mesh before any span is expanded
+    if lacking := [r for r in chosen if not manifest.holds_rank(r)]:  # a node's copy: it cannot stage other ranks
+        raise UsageError(f"{out} is a node's copy holding the files of ranks {RankSpans(manifest.holds)} only "
+                         f"({'rank' if len(lacking) == 1 else 'ranks'} {RankSpans.of(lacking)} "
+                         f"{'needs' if len(lacking) == 1 else 'need'} others): it cannot "
+                         "stage another node. List them from a whole folder, or from the node's copy that holds "
+                         "them. Nothing was listed.")
     names = manifest.files_for_ranks(chosen)
     size = sum(store.size(n) for n in names if store.exists(n))
     return FilesResult(str(out), tuple(chosen), tuple(sorted({manifest.mesh.coord_of(r) for r in chosen})),
@@ -216,7 +228,7 @@ def list_files(out, ranks) -> FilesResult:
 def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout: str = "original",
                      overwrite: bool = False, progress: bool | None = None, extras_from=None,
                      workers: int | None = 1, distributed: bool | None = False,
-                     node_local: bool = False) -> MergeResult | None:
+                     node_local: bool = False) -> MergeResult | ServedResult | None:
     """Merge a reshard folder or a saved distributed checkpoint into a standard HF checkpoint at `dest`: what
     `reshard merge` runs.
 
@@ -243,7 +255,8 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
             node 0 (or a shared file system), reading the other nodes' files over the process group.
 
     Returns:
-        A `MergeResult`, or None on the ranks other than 0 of a distributed merge.
+        A `MergeResult`, or None on the ranks other than 0 of a distributed merge; with `node_local`, a
+        `ServedResult` on the first rank of each other node (what its copy gave node 0).
 
     Raises:
         CheckpointError: the input is incomplete (a rank file missing, a gap, overlapping chunks, mixed dtypes), or
@@ -260,9 +273,10 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     from .write.merge import DEFAULT_MAX_SHARD_SIZE, merge_job
     from .write.peers import Listing
     from .write.runner import run_job
-    from .write.staged import refuse_url_output
+    from .write.staged import check_url_output, refuse_empty_output
 
-    refuse_url_output(dest, "DEST")
+    refuse_empty_output(dest, "DEST")
+    check_url_output(dest, "DEST", overwrite)
     check_max_shard_size(max_shard_size)
 
     def read_job(store=None):
@@ -270,16 +284,22 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
         return merge_job(open_source(source, kinds=DISTRIBUTED, store=store),
                          max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, layout=layout, extras_from=extras)
 
-    job, _ = run_job(read_job, dest, command="merge", overwrite=overwrite, progress=progress, workers=workers,
-                     distributed=distributed, gather_from=Listing.of_copies(source) if node_local else None)
-    if job is None:
-        return None
+    job, finished = run_job(read_job, dest, command="merge", overwrite=overwrite, progress=progress,
+                            workers=workers, distributed=distributed,
+                            gather_from=Listing.of_copies(source) if node_local else None)
+    if job is None:  # another rank; the first rank of a node that served its files to node 0 says so
+        return None if finished is None else ServedResult(finished.copy.node, str(source), str(dest),
+                                                          finished.copy.files, finished.copy.bytes)
     from .write.merge import left_out
 
+    # node-local, SRC on node 0 holds node 0's ranks only: the next line compares with the original checkpoint the
+    # folder was written from, where its manifest records one (a training save records none: verify DEST alone)
+    recorded = getattr(getattr(job.index, "manifest", None), "source", None)
+    against = str(source) if not node_local else recorded.source if recorded is not None else None
     return MergeResult(str(dest), str(source), len(job.names), sum(len(p) for p in job.parts),
                        len({t.target.name for p in job.parts for t in p}), sum(job.unit_sizes),
                        job.layout_mode.value, job.index.kind, job.checked, len(job.layout.extras),
-                       left_out(job.index, job.layout))
+                       left_out(job.index, job.layout), against)
 
 
 def environment() -> EnvResult:

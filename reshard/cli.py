@@ -77,11 +77,12 @@ def mesh_options(func):
     parallelism stay hidden until reshard writes layouts for them)."""
 
     @click.option("--fsdp", type=Count(min=1), required=True,
-                  help="fsdp_size: ranks sharding every parameter (with EP, experts use efsdp = fsdp/ep).")
+                  help="fsdp_size: ranks sharding every parameter; with EP, each EP group's experts are sharded over "
+                       "efsdp = fsdp/ep ranks.")
     @click.option("--ep", type=Count(min=1), default=1, show_default=True,
                   help="ep_size: expert-parallel ranks; must divide fsdp and the number of experts.")
     @click.option("--dp-replicate", type=Count(min=1), default=1, show_default=True,
-                  help="dp_replicate_size: HSDP replicas; replicas share the same files.")
+                  help="dp_replicate_size: HSDP replicas (whole copies of the fsdp-sharded model); they share files.")
     @click.option("--tp", type=Count(min=1), default=1, hidden=True)
     @click.option("--pp", type=Count(min=1), default=1, hidden=True)
     @functools.wraps(func)
@@ -137,7 +138,7 @@ def cli(debug):
       reshard merge  SAVED HF_OUT              # back to a standard HF checkpoint
 
     SRC is a checkpoint folder or .safetensors file, a Hugging Face cache snapshot folder, a Hub repo id
-    (org/name), an s3://bucket/prefix URL (pip install 'reshard[s3]'; endpoint and credentials from the AWS
+    (org/name), an s3://bucket/prefix URL (pip install -e '.[s3]'; endpoint and credentials from the AWS
     environment), a reshard folder or a save_pretrained(..., distributed_checkpoint=True) folder.
     """
 
@@ -283,7 +284,8 @@ def verify_command(out, against, revision, no_checksums, ranks, quiet, as_json):
 def files_command(out, ranks, as_json):
     """List the files RANKS need to load OUT: the manifest, config and tokenizer files, and their shard files.
 
-    Each rank coordinate's files hold everything its ranks load, so a node can load from its own copy of just these
+    A coordinate is one fsdp rank's position, shared by its HSDP replicas: they load the same files. Each
+    coordinate's files hold everything its ranks load, so a node can load from its own copy of just these
     files (node-local NVMe instead of a shared file system). Paths are relative to OUT, one per line. Ranks count
     from 0 and shard files from 1: shard-00003-... holds what the ranks of coordinate 2 load.
 

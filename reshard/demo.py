@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,9 +43,7 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
     try:
         plan, manifest, per_rank = _steps(root, ranks, echo, timeout)
         lines = _report(plan, manifest, per_rank, ranks, time.monotonic() - started)
-        lines.append(f"  the checkpoint, the output and the rank reports are in {root}" if keep else
-                     f"  the generated checkpoint and its output were in {root} and are removed now; to keep them and "
-                     "try the next commands on them: reshard demo --keep DIR")
+        lines += _next_lines(root, ranks, keep)
         return DemoResult(str(root), bool(keep), per_rank, tuple(lines))
     finally:
         if not keep:
@@ -58,37 +58,71 @@ def _steps(root: Path, ranks: int, echo, timeout: float):
 
     src, out, reports = root / "tiny-qwen3-moe", root / f"tiny-qwen3-moe-fsdp{ranks}", root / "reports"
     experts, mesh = max(1, ranks // 2), MeshSpec(fsdp=ranks)
-    echo(f"1/5 generating a tiny Qwen3-MoE checkpoint ({experts} experts, 2 layers) in {src}")
+    echo(f"1/5 generating a tiny Qwen3-MoE checkpoint ({experts} experts, 2 layers) in {shown(src)}")
     if not src.exists():
         make_tiny_checkpoint("qwen3_moe", src, experts=experts)
-    echo(f"\n2/5 reshard plan {src.name} --fsdp {ranks}\n")
-    planned = plan_checkpoint(src, mesh)
-    echo(planned.summary().rsplit("\n\nnext:", 1)[0].replace(str(src), src.name))
-    echo(f"\n3/5 reshard write {src.name} {out.name} --fsdp {ranks}")
+    echo(f"\n2/5 reshard plan {shown(src)} --fsdp {ranks}\n")
+    planned = plan_checkpoint(where(src), mesh)
+    echo(planned.summary().rsplit("\n\nnext:", 1)[0])
+    echo(f"\n3/5 reshard write {shown(src)} {shown(out)} --fsdp {ranks} --overwrite")
     written = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
     markers = plural(written.manifest.empty_markers, "explicit empty marker")
-    echo(f"    {plural(len(written.manifest.files), 'file')}, {markers}")
+    echo(f"    {plural(len(written.manifest.files), 'file')}, {markers} (one per empty tensor in each rank's file)")
     echo(f"\n4/5 loading on {ranks} CPU processes (gloo) with reshard.from_pretrained")
     shutil.rmtree(reports, ignore_errors=True)
     reports.mkdir()
-    _launch(ranks, out, src, reports, timeout)
+    _launch(ranks, out, src, reports, timeout, echo)
     per_rank = tuple(json.loads((reports / f"rank{r}.json").read_text()) for r in range(ranks))
-    echo(f"\n5/5 reshard verify {out.name} --against {src.name}")
+    echo(f"\n5/5 reshard verify {shown(out)} --against {shown(src)}")
     checked = verify(out, against=src)
-    echo(f"    OK: {checked.tensors} model tensors covered exactly once, {checked.bytes_compared} bytes equal "
-         "to the source")
+    echo(f"    OK: {checked.tensors} model tensors covered exactly once, {checked.bytes_compared} bytes of tensor "
+         "data equal to the source")
     return planned.plan, written.manifest, per_rank
 
 
-def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "--monitor-interval=0.5", "-m", "reshard._demo_rank", str(out), str(src), str(reports)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+def where(path: Path) -> str:
+    """`path` as a command pasted where the user stands takes it: `./`-relative inside the working folder (a kept
+    `./demo`), else absolute (the temporary folder)."""
+    absolute = Path(path).resolve()
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise ReshardError(f"the {ranks}-rank load did not finish in {timeout:.0f} s: a hang. Output:\n"
-                           f"{(e.stderr or '')[-2000:]}") from e
+        return f"./{absolute.relative_to(Path.cwd().resolve())}"
+    except ValueError:
+        return str(absolute)
+
+
+def shown(path: Path) -> str:
+    """`where(path)`, quoted for a shell."""
+    return shlex.quote(where(path))
+
+
+def _next_lines(root: Path, ranks: int, keep) -> list[str]:
+    """The demo's last lines: where its folders are, and the README's next commands, runnable from here."""
+    out = root / f"tiny-qwen3-moe-fsdp{ranks}"
+    if not keep:
+        return [f"  the generated checkpoint and its output were in {shown(root)} and are removed now; to keep them "
+                "and try the next commands on them: reshard demo --keep ./demo"]
+    merged = root / "merged"
+    return [f"  the checkpoint, the output and the rank reports are in {shown(root)}", "next:",
+            f"  reshard merge {shown(out)} {shown(merged)} --overwrite && reshard verify {shown(merged)}"]
+
+
+def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float, echo) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "--monitor-interval=0.5", "-m", "reshard._demo_rank", where(out), str(src), str(reports)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        kept: list[str] = []
+        reader = threading.Thread(target=_pass_progress, args=(proc.stderr, kept, echo), daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            proc.kill()
+            reader.join(5)
+            raise ReshardError(f"the {ranks}-rank load did not finish in {timeout:.0f} s: a hang. Output:\n"
+                               f"{''.join(kept)[-2000:]}") from e
+        reader.join(30)
+    stderr = "".join(kept)
     errors = []
     for r in range(ranks):
         path = reports / f"rank{r}.json"
@@ -97,8 +131,17 @@ def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float) -> 
             errors.append(f"rank {r}: {report.get('error') or report}")
         elif not report.get("bytes"):
             errors.append(f"rank {r}: no tensor data read was counted (the demo's read counter missed the loader)")
-    if result.returncode != 0 or errors:
-        raise ReshardError("the multi-rank load failed:\n" + "\n".join(errors) + "\n" + result.stderr[-2000:])
+    if proc.returncode != 0 or errors:
+        raise ReshardError("the multi-rank load failed:\n" + "\n".join(errors) + "\n" + stderr[-2000:])
+
+
+def _pass_progress(stream, kept: list[str], echo) -> None:
+    """Echo the load's phase lines (rank 0's `reshard load ...`, `reshard demo: ...`) as they come; keep every line
+    for an error message."""
+    for line in stream:
+        kept.append(line)
+        if line.startswith(("reshard load ", "reshard demo: ")):
+            echo("    " + line.rstrip("\n"))
 
 
 def _report(plan, manifest, per_rank, ranks, elapsed) -> list[str]:
@@ -116,12 +159,13 @@ def _report(plan, manifest, per_rank, ranks, elapsed) -> list[str]:
         lines.append("  stock transformers on this mesh: no empty ranks.")
     for report in per_rank:
         shapes = sorted({tuple(s) for s in report["experts"].values()})
-        lines.append(f"  rank {report['rank']}: read {report['bytes']:>7} bytes from "
+        lines.append(f"  rank {report['rank']}: read {report['bytes']:>7} bytes of tensor data from "
                      f"{', '.join(report['files']) or '-'}; expert shards of shape "
                      f"{', '.join(str(list(s)) for s in shapes)}; {report['tensors']} model tensors equal to the "
                      "single-process load")
     share = sum(r["bytes"] for r in per_rank) / ranks
-    lines.append(f"  files total {manifest.bytes} bytes; the largest rank read {max(r['bytes'] for r in per_rank)} "
-                 f"bytes of tensor data, {max(r['bytes'] for r in per_rank) / share:.2f}x an even 1/{ranks} share")
+    lines.append(f"  the rank files hold {manifest.bytes} bytes (tensor data and headers); the largest rank read "
+                 f"{max(r['bytes'] for r in per_rank)} bytes of tensor data, "
+                 f"{max(r['bytes'] for r in per_rank) / share:.2f}x an even 1/{ranks} share")
     lines.append(f"  every tensor matched bit for bit on every rank; no empty rank, no hang. ({elapsed:.0f} s)")
     return lines

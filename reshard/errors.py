@@ -33,6 +33,11 @@ class MeshError(UsageError):
     """The requested mesh cannot hold this model, or is not supported yet."""
 
 
+class SourceChangedError(CheckpointError):
+    """A source file or object changed while it was read (replaced, rewritten or overwritten after its header was
+    read): what was read no longer belongs to one file. The command stops and keeps nothing."""
+
+
 class QuantizationError(CheckpointError):
     """A quantized checkpoint reshard cannot dequantize: unknown method, a missing or mis-shaped scale, a dtype
     this torch lacks."""

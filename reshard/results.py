@@ -11,14 +11,11 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from .words import plural
+from .manifest import write_label
+from .words import mib, plural
 
 UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
                    "CRC-32: its bytes were copied as they are, not checked.")
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def verify_line(out, against=None, revision=None) -> str:
@@ -80,6 +77,8 @@ class WriteResult:
         source_kind: `checkpoint`, `reshard` or `saved` (a folder from mesh to mesh).
         revision: the Hub revision asked for, or None.
         verify_against: the SRC `verify --against` can compare with (None for a reshard or saved SRC).
+        node: after a node-local write, the node whose copy `manifest` is (`node 1 (host, ranks 4-7)`).
+        copies: on node 0 of a node-local write, every node's copy (`reshard.write.distributed.NodeCopy`).
     """
 
     manifest: object
@@ -87,6 +86,8 @@ class WriteResult:
     source: str
     source_kind: str
     revision: str | None = None
+    node: str | None = None
+    copies: tuple = ()
 
     @property
     def extras(self) -> int:
@@ -102,12 +103,13 @@ class WriteResult:
 
     def summary(self) -> str:
         m = self.manifest
-        lines = [f"wrote {self.out}: {plural(len(m.files), 'file')}, {mib(m.bytes)}, "
+        lines = [f"wrote {self.out}{self._whose()}: {plural(len(m.files), 'file')} ({mib(m.bytes)} with headers), "
                  f"{plural(len(m.tensors), 'model tensor')}"
                  + (f" ({m.dequantized} dequantized to bf16)" if m.dequantized else "")
                  + f", {plural(m.empty_markers, 'explicit empty marker')}"
                  + (f"; {plural(self.extras, 'tensor')} the model does not load kept in extra-*.safetensors."
                     if self.extras else ".")]
+        lines += self._job_lines()
         if self.source_kind == "saved":
             lines.append(UNCHECKED_SAVED)
         # A folder in the distributed-checkpoint layout is no `--against` source: verify checks the output on its own.
@@ -116,6 +118,29 @@ class WriteResult:
                      + f"\n  load: reshard.from_pretrained({self.out!r}) on every rank of the job "
                        f"({m.mesh.distributed_config_repr()})")
         return "\n".join(lines)
+
+
+    def _whose(self) -> str:
+        """Which copy this is, said as verify says it: a node's copy holds some ranks' files only."""
+        holds = getattr(self.manifest, "holds", None)
+        if holds is None:
+            return ""
+        from .plan.ranks import RankSpans
+
+        if self.node:
+            return f" on {self.node}, this node's copy"
+        return f" (a node's copy: the files of ranks {RankSpans(holds)})"
+
+    def _job_lines(self) -> list[str]:
+        """Node 0 of a node-local write: every node's copy, and the job's totals."""
+        if not self.copies:
+            return []
+        c = self.copies
+        lines = [f"the job: {plural(len(c), 'node')}, {plural(sum(x.files for x in c), 'file')} "
+                 f"({mib(sum(x.bytes for x in c))} with headers), "
+                 f"{plural(sum(x.empty_markers for x in c), 'explicit empty marker')} in all:"]
+        return lines + [f"  {x.node}: {plural(x.files, 'file')} ({mib(x.bytes)}), "
+                        f"{plural(x.empty_markers, 'explicit empty marker')}" for x in c]
 
 
 # ---- verify ----------------------------------------------------------------------------------------------------------
@@ -127,6 +152,7 @@ class VerifyResult:
     Attributes:
         kind: `reshard` (a reshard folder) or `merged` (a plain Hugging Face checkpoint, as `merge` writes it).
         ranks: the ranks whose files were checked, as spans (None: every rank's).
+        write_id: the write the folder or node's copy belongs to (its manifest's `write_id`; None: not recorded).
     """
 
     ok: bool
@@ -140,6 +166,7 @@ class VerifyResult:
     problems: tuple[str, ...] = ()
     kind: str = "reshard"
     ranks: str | None = None
+    write_id: str | None = None
 
     def to_json(self) -> str:
         document = {"ok": self.ok, "folder": self.folder, "against": self.against}
@@ -150,6 +177,8 @@ class VerifyResult:
                         problems=list(self.problems))
         if self.ranks is not None:
             document["ranks"] = self.ranks
+        if self.write_id is not None:
+            document["write_id"] = self.write_id
         return _dump(document)
 
     def summary(self) -> str:
@@ -162,9 +191,10 @@ class VerifyResult:
                        "every chunk those ranks load in place once"))
         held = f" (a node's copy: the files of ranks {self.ranks})" if self.ranks is not None else ""
         return (f"OK {self.folder}{held}: {what}"
-                + (f", {self.bytes_compared} bytes equal to {self.against}" if self.against else "")
+                + (f", {self.bytes_compared} bytes of tensor data equal to {self.against}" if self.against else "")
                 + (f" ({plural(len(self.dequantized_tensors), 'tensor')} recomputed from its quantized weights)"
-                   if self.dequantized_tensors else "") + ".")
+                   if self.dequantized_tensors else "") + "."
+                + (f" Part of {write_label(self.write_id)}." if self.kind == "reshard" else ""))
 
     def failure(self) -> str:
         """The one line that ends a failed verify; files missing from a whole folder may be a node's copy staged by
@@ -212,6 +242,8 @@ class MergeResult:
             `fused`), the extras included.
         model_tensors: the model's in-memory tensors they hold.
         left_out: what the merge could not write back, or None.
+        against: what the next line's `verify --against` compares DEST with (SRC; after `--node-local`, the
+            original checkpoint the copies were written from, None when unknown).
     """
 
     dest: str
@@ -225,6 +257,7 @@ class MergeResult:
     source_crc32_checked: bool
     extras: int
     left_out: str | None = None
+    against: str | None = None
 
     def to_json(self) -> str:
         return _dump({"dest": self.dest, "files": self.files, "tensors": self.tensors, "bytes": self.bytes,
@@ -235,15 +268,36 @@ class MergeResult:
     def summary(self) -> str:
         what = (plural(self.tensors, "checkpoint key") + f" (the source's on-disk layout, {self.model_tensors} model "
                 "tensors)" if self.layout == "original" else plural(self.tensors, "model tensor") + " (fused layout)")
-        lines = [f"merged {self.source} into {self.dest}: {plural(self.files, 'file')}, {mib(self.bytes)}, {what}"
+        lines = [f"merged {self.source} into {self.dest}: {plural(self.files, 'file')} ({mib(self.bytes)} with "
+                 f"headers), {what}"
                  + (f"; {self.extras} of them the model does not load (MTP layers, ...)." if self.extras else ".")]
         if self.left_out:
             lines.append(f"left out: {self.left_out}.")
         if not self.source_crc32_checked:
             lines.append(UNCHECKED_SAVED)
-        lines.append(f"next:\n  {verify_line(self.dest, self.source)}\n  load: AutoModelForCausalLM.from_pretrained("
+        lines.append(f"next:\n  {verify_line(self.dest, self.against)}\n  load: AutoModelForCausalLM.from_pretrained("
                      f"{self.dest!r}), or publish it: hf upload ORG/NAME {shlex.quote(self.dest)}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ServedResult:
+    """`reshard merge --node-local` on the first rank of a node other than node 0: what its copy gave node 0."""
+
+    node: str
+    source: str
+    dest: str
+    files: int
+    bytes: int
+
+    def to_json(self) -> str:
+        return _dump({"node": self.node, "source": self.source, "dest": self.dest, "files": self.files,
+                      "bytes": self.bytes})
+
+    def summary(self) -> str:
+        return (f"{self.node}: served its copy of {self.source}, {plural(self.files, 'rank file')} "
+                f"({mib(self.bytes)} with headers), to node 0, which merged every node's files into {self.dest} "
+                "(node 0 prints the result and the next line).")
 
 
 # ---- env and demo ----------------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
     problems = corrupt + problems
     return VerifyResult(not problems, str(folder), empty.against, len(manifest.files), len(manifest.tensors),
                         markers, compared, tuple(dequantized), tuple(problems),
-                        ranks=None if manifest.holds is None else str(RankSpans(manifest.holds)))
+                        ranks=None if manifest.holds is None else str(RankSpans(manifest.holds)),
+                        write_id=manifest.write_id)
 
 
 def _with(result: VerifyResult, **changes) -> VerifyResult:
@@ -166,6 +167,21 @@ def _check(manifest, listed: _Listed, against, revision, dequantized) -> tuple[i
     return compared, markers
 
 
+def _open(spec, *, revision: str | None = None):
+    """`open_source` for a check. verify writes nothing: a source's error worded for write and merge ("Nothing was
+    written.") says what is true here."""
+    import copy
+
+    try:
+        return open_source(spec, revision=revision)
+    except ReshardError as e:
+        if "Nothing was written." not in str(e):
+            raise
+        reworded = copy.copy(e)  # the same class (and exit code), path and fields
+        reworded.args = (str(e).replace("Nothing was written.", "Nothing was changed."),)
+        raise reworded from e
+
+
 def _check_extras(listed: _Listed, manifest, headers: dict, chunks: dict) -> None:
     """The manifest's extras files (tensors the model does not load, whole under their on-disk keys): each checked
     as every listed file is, holding exactly its keys. Each tensor joins `chunks` whole (coordinate -1: no rank reads
@@ -254,7 +270,7 @@ def _owner_of(placed: list, piece) -> tuple[str, tuple]:
 def _source_to_compare(against, revision):
     """(the source's index, its tensors by name with the extras under their keys, the `Dequantizer` of a quantized
     source or None), checked decodable before any byte is compared."""
-    source = open_source(against, revision=revision)
+    source = _open(against, revision=revision)
     source_layout = source.model_layout()
     layout = {**source_layout.by_name(), **{t.name: t for t in source_layout.extras}}
     if source.quantization is None:
@@ -285,7 +301,7 @@ def check_merged(location, *, against=None, revision: str | None = None, progres
     every in-memory tensor, read through each side's own key mapping, equals the source's byte for byte."""
     result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0, kind="merged")
     try:
-        dest = open_source(location.spec).index
+        dest = _open(location.spec).index
     except ReshardError as e:
         return _with(result, problems=(str(e),))
     problems: list[str] = []
@@ -318,7 +334,7 @@ def _merge_metadata(store) -> dict | str | None:
 
 def _source_view(against, revision):
     """(index, layout, the on-disk keys of the source layout, the in-memory names a fused copy holds)."""
-    source = open_source(against, revision=revision)
+    source = _open(against, revision=revision)
     index, layout = source.index, source.model_layout()
     if source.kind is not Kind.CHECKPOINT:
         original = None if index.original is None else {p[0] for pieces in index.original.values() for p in pieces}

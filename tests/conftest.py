@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from reshard.tiny import make_tiny_checkpoint
 
@@ -20,6 +21,19 @@ RANK_SCRIPTS = HERE / "ranks"
 # The processes the tests start (ranks, torchrun agents, the CLI) import this checkout's package, whatever another
 # install on the machine points at.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+
+
+# Hypothesis: the README's test command runs each property on a fifth of its examples (at least 25), CI on all of
+# them (.ci/run sets HYPOTHESIS_PROFILE=ci, which also loads hypothesis' profile of that name).
+FULL_EXAMPLES = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
+settings.register_profile("ci", print_blob=True)
+if FULL_EXAMPLES:
+    settings.load_profile("ci")
+
+
+def examples(n: int) -> int:
+    """`max_examples` for a property that CI runs on `n` examples."""
+    return n if FULL_EXAMPLES else max(25, n // 5)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,7 +9,8 @@ Served:
   files, as the Hub sends), `X-Repo-Commit`, `Content-Length`, `Accept-Ranges`, and `Range: bytes=a-b` (206).
 
 A revision is a branch name or a commit id. Every request is logged (method, path, range, bytes of body sent), and
-`fail` makes the next GETs of one file drop the connection halfway through (then answer 500) to test download errors.
+`fail` makes the next GETs of one file drop the connection halfway through (then answer 500) to test download errors;
+`down` answers 500 to every request whose path matches it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LocalHub:
     failing: dict[tuple[str, str], str] = field(default_factory=dict)  # (repo, path) -> "drop"
     url: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    down: str | None = None  # a regex: every request whose path matches it is answered 500 (".": a Hub in an outage)
 
     def add(self, repo: str, files: dict[str, bytes], *, branch: str = "main") -> str:
         """Publish `files` as a new commit of `repo` on `branch`; returns the commit id."""
@@ -125,6 +127,10 @@ def _handler(hub: LocalHub):
 
         def _route(self):
             path = unquote(urlparse(self.path).path)
+            if hub.down is not None and re.search(hub.down, path):
+                with hub.lock:
+                    hub.log.append(Request(self.command, "", path, self.headers.get("Range"), 0, self._token()))
+                return self._error(500, "Internal Error")
             api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+)(/.*)?)?", path)
             if api:
                 return self._api(api.group(1), api.group(2), api.group(3) or "main", (api.group(4) or "").strip("/"))

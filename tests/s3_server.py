@@ -5,7 +5,8 @@ The proxy streams requests and responses through unchanged (status, headers, `Ra
 multipart upload, ListObjectsV2), logs every request (method, bucket, key, query, `Range`, status, body bytes sent,
 and the access key id of the client's `Authorization` header, so each rank can use its own `AWS_ACCESS_KEY_ID` and a
 test can count what each rank read), and injects faults: `fail_next` (an S3 XML error), `drop_next` (the connection
-reset halfway through the body), `stall_next` (no answer for a while). `kill()` is a server that goes away: weed is
+reset halfway through the body), `stall_next` (no answer for a while), `strip_next` (a request header dropped: a
+server that ignores `Range` or `If-Match`). `kill()` is a server that goes away: weed is
 SIGKILLed and the proxy closes its socket and every open connection, so the next request is refused at once.
 
 Setup helpers (`make_bucket`, `new_bucket`, `put_folder`, `put_bytes`) send plain HTTP to weed directly: they are
@@ -95,6 +96,7 @@ class _Fault:
     code: str | None = None
     seconds: float = 0.0
     mid_body: bool = False
+    header: str | None = None  # "strip": the request header weed never sees
 
 
 def _free_ports(n: int) -> list[int]:
@@ -434,6 +436,11 @@ class S3Server:
         A long stall and a release once the client has timed out make a test that neither waits nor races."""
         self._add(_Fault("stall", n, frozenset(methods), key, seconds=seconds, mid_body=mid_body))
 
+    def strip_next(self, n: int, header: str, *, key: str | None = None, methods: tuple[str, ...] = ("GET",)) -> None:
+        """Forward the next `n` matching requests without request header `header`: a server that ignores it
+        (`Range`: the whole object comes back; `If-Match`: no precondition is checked)."""
+        self._add(_Fault("strip", n, frozenset(methods), key, header=header.lower()))
+
     def release_stalls(self) -> None:
         """End every stall in progress now: those requests go on as usual (or end, after kill())."""
         with self._stalls:
@@ -618,8 +625,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
             # skip_host: the client's Host header goes through as signed.
             up.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+            stripped = fault.header if fault is not None and fault.kind == "strip" else None
             for name, value in self.headers.items():
-                if name.lower() not in _HOP_BY_HOP:
+                if name.lower() not in _HOP_BY_HOP and name.lower() != stripped:
                     up.putheader(name, value)
             if chunked:
                 up.putheader("Transfer-Encoding", "chunked")

@@ -206,6 +206,7 @@ MULTIRANK = [  # model type, config overrides, fsdp, ep, fused: stock transforme
 MULTIRANK = [case for case in MULTIRANK if case.values[0] in KNOWN]  # a newer release's types wait for it
 
 
+@pytest.mark.slow  # each family on 4 ranks
 @pytest.mark.multirank
 @pytest.mark.parametrize("model_type, overrides, fsdp, ep, fused", MULTIRANK)
 def test_family_loads_exactly_on_every_rank(tmp_path, model_type, overrides, fsdp, ep, fused):

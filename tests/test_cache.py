@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from reshard.read import cache
 from reshard.read.source import read_checkpoint
 from reshard.read.experts import build_meta_model, find_experts, layout_from_model
@@ -90,6 +92,7 @@ def test_unreadable_code_turns_the_cache_off(tiny, monkeypatch, tmp_path):
     assert layout == layout_from_model(build_meta_model(index.config), index)
 
 
+@pytest.mark.slow  # a planning module edited in a copy of the package, planned again in fresh processes
 def test_an_edit_to_the_planning_code_misses_the_cache(tiny, tmp_path):
     """End to end: a copy of the package hits the cache the installed one filled (the key is the code, not its
     path) until one line of its experts.py changes; then it builds the layout again (imports torch)."""

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import examples
 from reshard.read.checkpoint import INDEX_NAME
 from reshard.read.safetensors_header import MAX_HEADER_BYTES, parse_header, read_header
 from reshard.read.source import read_checkpoint
@@ -297,7 +298,7 @@ _json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.di
     st.sampled_from(["dtype", "shape", "data_offsets", "x", "__metadata__"]), inner, max_size=4), max_leaves=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(header=st.dictionaries(st.sampled_from(["a", "b", "__metadata__"]), _json, max_size=3),
        size=st.none() | st.integers(0, 10**6))
 def test_any_json_header_parses_or_raises_checkpoint_error(header, size):

@@ -164,7 +164,7 @@ def test_verify_json_passes_and_fails(glm):
     manifest = json.loads((out / "reshard.json").read_text())
     assert doc == {"ok": True, "folder": str(out), "against": str(src), "files": len(manifest["files"]),
                    "tensors": len(manifest["tensors"]), "empty_markers": 0, "bytes_compared": chunk_bytes(manifest),
-                   "dequantized_tensors": [], "problems": []}
+                   "dequantized_tensors": [], "problems": [], "write_id": manifest["write_id"]}
     shard = out / manifest["files"][1]["name"]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF

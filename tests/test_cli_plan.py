@@ -77,7 +77,9 @@ def test_qwen3_moe_two_experts_fsdp4_human(tiny):
     assert set(blocks) == {"gate_up_proj", "down_proj"}
     for family, stock, planned in blocks.values():
         assert "[2, " in family  # 2 experts
-        assert stock.split() == ["stock", "Shard(0)", "on", "fsdp", "11..", "empty", "on", "2", "ranks"]
+        # one rank-map notation per report: the planned rows (12, 16) are runs, so the stock map is runs too
+        assert stock.split() == ["stock", "Shard(0)", "on", "fsdp", "1", "on", "2", "ranks,", ".", "on", "2", "ranks",
+                                 "empty", "on", "2", "ranks"]
         assert planned.split()[:4] == ["planned", "Shard(1)", "on", "fsdp"]
         rows = {"gate_up_proj": 48 // 4, "down_proj": 64 // 4}[family.split()[0].rsplit(".", 1)[1]]
         assert planned.split()[4:8] == [str(rows), "on", "4", "ranks"]  # the same rows on all 4: no '.', no empty
@@ -153,9 +155,12 @@ def test_glm4_moe_ten_experts_fsdp8_ep2(tiny):
     assert set(blocks) == {"gate_up_proj", "down_proj"}
     for family, stock, planned in blocks.values():
         assert "[10, " in family
-        assert "(_StridedShard(0, sf=2), Shard(0)) on (efsdp, ep) 222211.. empty on 2 ranks" in " ".join(stock.split())
+        # one notation in the whole report: the planned rows (12, 16) need runs, so the stock map is runs too
+        assert ("(_StridedShard(0, sf=2), Shard(0)) on (efsdp, ep) 2 on 4 ranks, 1 on 2 ranks, . on 2 ranks empty on "
+                "2 ranks") in " ".join(stock.split())
         rows = {"gate_up_proj": 48 // 4, "down_proj": 64 // 4}[family.split()[0].rsplit(".", 1)[1]]
         assert "(Shard(1), Shard(0)) on (efsdp, ep)" in planned and f" {rows} on 8 ranks " in planned
+    assert "_StridedShard(0, sf=N) is torch's private placement" in out  # explained where it appears
 
     doc = plan_json(src, "--fsdp", "8", "--ep", "2")
     assert doc["mesh"]["efsdp"] == 4 and doc["mesh"]["world_size"] == 8

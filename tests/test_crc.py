@@ -22,14 +22,14 @@ from reshard.api import merge_checkpoint, write_checkpoint
 from reshard.plan.mesh import MeshSpec
 from reshard.runs.crc import Disagreement, Segments, crc32_combine, crc32_shift, whole_file_crc
 
-from conftest import hang_guard
+from conftest import examples, hang_guard
 
 PROPERTY = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---- the arithmetic ----------------------------------------------------------------------------------------------
 
-@settings(max_examples=400, **PROPERTY)
+@settings(max_examples=examples(400), **PROPERTY)
 @given(st.binary(max_size=3000), st.binary(max_size=3000), st.binary(max_size=300))
 def test_combine_is_the_crc_of_the_concatenation(a, b, c):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
@@ -45,7 +45,7 @@ def test_shift_is_appending_zeros_at_any_length(crc, n):
     assert crc32_shift(crc, n) == zlib.crc32(zeros, crc) ^ zlib.crc32(zeros)
 
 
-@settings(max_examples=200, **PROPERTY)
+@settings(max_examples=examples(200), **PROPERTY)
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**70), st.integers(0, 2**70))
 def test_shifts_of_huge_lengths_compose(crc, m, n):
     assert crc32_shift(crc32_shift(crc, m), n) == crc32_shift(crc, m + n)
@@ -94,7 +94,7 @@ class Reader:
         return zlib.crc32(self.data[offset:offset + length])
 
 
-@settings(max_examples=300, **PROPERTY)
+@settings(max_examples=examples(300), **PROPERTY)
 @given(file_and_writers())
 def test_one_writers_ranges_are_disjoint_coalesced_and_exact(case):
     data, writers = case
@@ -105,7 +105,7 @@ def test_one_writers_ranges_are_disjoint_coalesced_and_exact(case):
         assert {i for o, n, _ in items for i in range(o, o + n)} == covered(runs, len(data))
 
 
-@settings(max_examples=300, **PROPERTY)
+@settings(max_examples=examples(300), **PROPERTY)
 @given(file_and_writers())
 def test_the_whole_file_crc_reads_only_what_no_writer_gives(case):
     data, writers = case
@@ -118,7 +118,7 @@ def test_the_whole_file_crc_reads_only_what_no_writer_gives(case):
         assert sorted(reader.read) == sorted(set(range(len(data))) - union)  # the gaps only, each once
 
 
-@settings(max_examples=400, **PROPERTY)
+@settings(max_examples=examples(400), **PROPERTY)
 @given(file_and_writers(), st.data())
 def test_a_flipped_bit_anywhere_used_is_found_and_nowhere_else(case, draw):
     """Each writer read its own copy (the ranks of a job on several nodes), the checker its own; one bit flipped in

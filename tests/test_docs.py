@@ -1,4 +1,4 @@
-"""Docs parity: every command and option is in README.md or docs/, the set-up is two commands that CI runs, the
+"""Docs parity: every command and option is in README.md or docs/, the set-up is two commands whose steps CI runs, the
 API is documented, and every `reshard.NAME(` a user is shown exists."""
 
 from __future__ import annotations
@@ -51,11 +51,18 @@ def test_setup_is_two_commands_and_ci_runs_them():
     block = re.search(r"## Set-up: two commands.*?```bash\n(.*?)```", README, re.S).group(1)
     commands = [line for line in block.splitlines() if line.strip()]
     assert len(commands) == 2
-    assert commands[0].endswith("reshard demo") and "pytest" in commands[1]
+    # 1: what running reshard needs (the CPU torch build, no test extra), then the demo
+    assert commands[0].endswith("&& pip install -e . && reshard demo"), commands[0]
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in commands[0]
+    # 2: the test extra, then the default selection; the slow tests are named for the whole suite
+    assert '-e ".[test]"' in commands[1] and commands[1].endswith("python -m pytest -q"), commands[1]
+    assert 'addopts = -m "not slow"' in (ROOT / "setup.cfg").read_text()
+    assert 'python -m pytest -q -m "slow or not slow"' in README
     ci = (ROOT / ".ci" / "run").read_text()
     assert "torch==2.13.0" in ci and '-e ".[test]"' in ci
     assert "\nreshard demo\n" in ci
     assert "python3 -m pytest -q" in ci and '"$status" -eq 5' in ci
+    assert "\nrun_tests\n" in ci and "\nrun_tests -m slow\n" in ci  # the default selection, then the rest
 
 
 @pytest.mark.parametrize("name", reshard.__all__)

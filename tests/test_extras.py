@@ -226,6 +226,7 @@ def test_an_extra_that_names_a_model_tensor_is_refused(written):
         merge_tensors(index, replace(layout, extras=(clash,)))
 
 
+@pytest.mark.slow  # 4-rank loads
 @pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["stock", "reshard"])
 def test_ranks_load_exactly_beside_the_extras_file(source, tmp_path, mode):

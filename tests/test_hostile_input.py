@@ -387,7 +387,7 @@ def interrupted_run(command: str, source: Path, out: Path, marker: Path, budget:
             proc.wait()
 
 
-@pytest.mark.parametrize("command", ["write", "merge"])
+@pytest.mark.parametrize("command", [pytest.param("write", marks=pytest.mark.slow), "merge"])  # write: 15-45 s
 def test_sigterm_during_a_write_of_many_files_exits_before_deleting_them_and_says_what_is_left(
         tiny, folders, tmp_path, command):
     """SIGTERM exits at once (143) instead of spending its time deleting thousands of files; what is left is renamed

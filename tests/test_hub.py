@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,7 @@ from reshard.read.store import HEADER_PROBE
 import hub_server
 from conftest import two_file_source
 
+ROOT = Path(__file__).resolve().parents[1]
 REPO = "org/tiny"
 WEIGHTS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 # copies of the same weights for other runtimes, and git's own files: a Hub source must download none of them
@@ -69,6 +74,7 @@ def test_plan_reads_the_headers_through_range_requests_only(hub, tmp_path):
     assert cached_weights(tmp_path) == []  # the probes are not cached as files
 
 
+@pytest.mark.slow  # two commits pushed and read back: 15-40 s
 def test_revision_picks_that_commit(hub, tmp_path):
     def experts(*revision):
         result = cli(hub, tmp_path, "plan", REPO, "--fsdp", 4, "--json", *revision)
@@ -182,3 +188,100 @@ def test_write_stream_reads_ranges_caches_no_weights_and_writes_the_same_bytes(h
     assert (tmp_path / "again" / "reshard.json").read_text().count('"crc32"') > 0
     for path in sorted((tmp_path / "local").glob("*.safetensors")):
         assert path.read_bytes() == (tmp_path / "again" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.parametrize("down, said", [
+    ("/tree/|/resolve/", "listing failed after 4 attempts"),  # the API's file listing and every file
+    ("/resolve/", "a ranged read of bytes 0-65535 failed after 4 attempts"),  # files only: the header reads fail
+    (".", "listing failed after 4 attempts")])  # everything: the metadata comes from the cache, the listing fails
+def test_a_hub_answering_500_fails_a_streaming_write_within_a_minute_one_error(hub, tmp_path, down, said):
+    """Row 5: reshard's 4 attempts are the only retries (huggingface_hub's own back-off, 5 tries inside each of them,
+    took 98 s and printed 40 `HTTP Error 500` / `Retrying in Ns` lines), and nothing is printed per attempt."""
+    home = tmp_path / "home"
+    assert cli(hub, home, "plan", REPO, "--fsdp", 4).returncode == 0  # the metadata files in the cache
+    hub.log.clear()
+    hub.down = down
+    try:
+        started = time.monotonic()
+        result = cli(hub, home, "write", REPO, tmp_path / "out", "--fsdp", 4, "--stream", "-q")
+        took = time.monotonic() - started
+    finally:
+        hub.down = None
+    assert result.returncode == 1 and said in result.stderr, result.stderr
+    assert "Nothing was kept" in result.stderr and not (tmp_path / "out").exists()
+    assert took < 60, took
+    assert "Retrying" not in result.stderr and "HTTP Error" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 4, result.stderr  # the one error (the server's text in it)
+    tries = Counter(r.path for r in hub.log if re.search(down, r.path) and re.search("/tree/|/resolve/", r.path))
+    assert tries and set(tries.values()) == {4}, tries  # 4 requests for each listing or header read, no more
+
+
+@pytest.mark.parametrize("command", ["plan", "write"])
+def test_stream_offline_reads_a_complete_cache(hub, tmp_path, command):
+    """Row 8: `--stream` with HF_HUB_OFFLINE=1 on a fully cached repo works from the cache, as without `--stream`
+    (it failed: `listing failed ... check the endpoint, the credentials and the network`)."""
+    home = tmp_path / "home"
+    assert cli(hub, home, "write", REPO, tmp_path / "downloaded", "--fsdp", 4, "-q").returncode == 0
+    hub.log.clear()
+    out = [tmp_path / "out", "-q"] if command == "write" else []
+    result = cli(hub, home, command, REPO, *out, "--fsdp", 4, "--stream", offline=True)
+    assert result.returncode == 0, result.stderr
+    assert hub.log == []  # not one request
+    if command == "write":
+        for path in sorted((tmp_path / "downloaded").glob("*.safetensors")):
+            assert path.read_bytes() == (tmp_path / "out" / path.name).read_bytes(), path.name
+
+
+PAUSED_WRITE = """
+import sys, time
+from pathlib import Path
+from reshard.cli import cli
+from reshard.runs.engine import Engine
+
+marker, go = Path(sys.argv[1]), Path(sys.argv[2])
+fill = Engine.fill
+
+def paused(self, *args, **kwargs):  # after every header was read, before the first byte of data
+    if not marker.exists():
+        marker.touch()
+        deadline = time.monotonic() + 60
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return fill(self, *args, **kwargs)
+
+Engine.fill = paused
+cli(sys.argv[3:])
+"""
+
+
+def test_a_push_to_the_branch_during_a_streaming_write_changes_nothing_read(hub, tmp_path):
+    """A Hub file is read at the commit `main` resolved to when the metadata was fetched: a new commit pushed to
+    `main` between the header reads and the data (other bytes in every weight file) is not read."""
+    home, marker, go = tmp_path / "home", tmp_path / "paused", tmp_path / "go"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_PROGRESS_BARS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    writer = subprocess.Popen([sys.executable, "-c", PAUSED_WRITE, marker, go, "write", REPO, tmp_path / "streamed",
+                               "--fsdp", "4", "--stream", "-q"], env=env, stderr=subprocess.PIPE, text=True)
+    before = hub.refs[REPO]["main"]
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and writer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), writer.stderr.read() if writer.poll() is not None else "the write never paused"
+        files = dict(hub.repos[REPO][before])
+        for name in WEIGHTS:  # the same headers, every data byte reversed
+            start = 8 + int.from_bytes(files[name][:8], "little")
+            files[name] = files[name][:start] + files[name][start:][::-1]
+        assert hub.add(REPO, files, branch="main") != before
+        go.touch()
+        assert writer.wait(timeout=120) == 0, writer.stderr.read()
+    finally:
+        hub.refs[REPO]["main"] = before
+        if writer.poll() is None:
+            writer.kill()
+    import reshard
+
+    reshard.write_checkpoint(hub.local["main"], tmp_path / "local", reshard.MeshSpec(fsdp=4), progress=False)
+    for path in sorted((tmp_path / "local").glob("*.safetensors")):
+        assert path.read_bytes() == (tmp_path / "streamed" / path.name).read_bytes(), path.name

@@ -19,7 +19,18 @@ from reshard.plan.mesh import MeshSpec
 
 from conftest import RANK_SCRIPTS, run_ranks
 
-EXIT_BUDGET_S = 60  # every rank must be gone with the error within this, measured from launch
+# Every rank must stop with the error within this once every rank has imported torch, transformers' model code and
+# reshard: a rank that waited for a dead peer would wait for gloo's collective timeout (600 s). It is measured from
+# the last rank's imports, not from launch: on a busy machine four ranks' imports alone take a minute or more. From
+# there to the error took under 10 s idle and 63 s at load 28 on 2 cores (transformers' lazy imports still inside
+# the window then; test_launch.py, 2026-12-02).
+EXIT_BUDGET_S = 90
+
+
+def seconds_to_error(reports: list[dict]) -> float:
+    """The longest time from the moment every reporting rank had its imports done to a rank's error."""
+    started = max(report["loading_at"] for report in reports if "loading_at" in report)
+    return max(report["ended_at"] - started for report in reports if "ended_at" in report)
 
 
 def torchrun_load(mode, folder, src, tmp_path, nproc, *, env=None, check=True):
@@ -28,7 +39,7 @@ def torchrun_load(mode, folder, src, tmp_path, nproc, *, env=None, check=True):
     start = time.monotonic()
     # The agent kills the other ranks once one has failed; looking every 5 s lets each rank show its own error
     # first (every rank raises within a moment of the others), which is what the fault tests check.
-    result = run_ranks("load_env.py", nproc, mode, folder, src, reports, env=env, check=check, timeout=180,
+    result = run_ranks("load_env.py", nproc, mode, folder, src, reports, env=env, check=check, timeout=300,
                        monitor_interval=5)
     elapsed = time.monotonic() - start
     return result, [_report(reports, r) for r in range(nproc)], elapsed
@@ -42,7 +53,7 @@ def spawn_load(mode, folder, src, tmp_path, nproc, *, env=None):
     cmd = [sys.executable, str(RANK_SCRIPTS / "spawn.py"), str(nproc), str(summary),
            str(RANK_SCRIPTS / "load_env.py"), mode, str(folder), str(src), str(reports)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=full_env, start_new_session=True)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=full_env, start_new_session=True)
     exits = json.loads(summary.read_text())
     return result, [_report(reports, r) for r in range(nproc)], exits
 
@@ -67,10 +78,20 @@ def test_reshard_from_pretrained_under_torchrun_needs_no_init_process_group(tiny
     src = tiny("qwen3_moe")  # 2 experts on fsdp 4: stock transformers leaves ranks 2 and 3 empty
     out = tmp_path / "out"
     write_checkpoint(src, out, MeshSpec(fsdp=4), progress=False)
-    _, reports, _ = torchrun_load("reshard", out, src, tmp_path, 4)
+    result, reports, _ = torchrun_load("reshard", out, src, tmp_path, 4)
     assert_exact(reports)
+    # no silent wait: the first rank of the node shows each phase as it begins, once (a pipe: one line each)
+    phases = [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in result.stderr.splitlines()
+              if line.startswith(f"reshard load {out}: ")]
+    assert phases == ["starting on 4 ranks: every rank checks its files, then all agree",
+                      "every rank's files checked; building the model on the meta device, sharded for world 4 = "
+                      "dp_replicate 1 x fsdp 4",
+                      "materializing the tensors still on the meta device (buffers made off meta keep their values)",
+                      "reading 1 file, 0.1 MiB of tensor data, this rank's",
+                      "read 1 file, 0.1 MiB of tensor data, this rank's", "loaded"], result.stderr[-3000:]
 
 
+@pytest.mark.slow  # a second 4-rank load (the patched path)
 @pytest.mark.multirank
 def test_patched_transformers_from_pretrained_takes_the_manifests_mesh_under_torchrun(tiny, tmp_path):
     """`AutoModelForCausalLM.from_pretrained(OUT)`, no distributed_config, no init_process_group: the manifest's
@@ -125,8 +146,11 @@ FAULTS = ["manifest-missing-on-one-rank", "unreadable-file", "job-larger-than-ma
 # Every fault under torchrun; without an agent (spawn: each rank must exit by itself) one fault found on one rank
 # and one found by every rank: how a rank exits does not depend on which fault it met, and each spawn case costs
 # 20 s of CI.
-CASES = [(fault, "torchrun") for fault in FAULTS] + [("unreadable-file", "spawn"), ("job-smaller-than-manifest",
-                                                                                  "spawn")]
+# The default tests run one fault found on one rank under torchrun; the rest of the matrix is marked slow.
+CASES = [pytest.param(fault, launcher, marks=() if (fault, launcher) == ("truncated-file", "torchrun") else
+                      pytest.mark.slow)
+         for fault, launcher in [(fault, "torchrun") for fault in FAULTS] + [("unreadable-file", "spawn"),
+                                                                              ("job-smaller-than-manifest", "spawn")]]
 
 
 @pytest.mark.multirank
@@ -140,10 +164,10 @@ def test_a_pre_load_fault_stops_every_rank_with_the_same_error(tiny, tmp_path, f
         result, reports, exits = spawn_load("reshard", folder, "-", tmp_path, nproc, env=env)
         for rank, info in exits.items():  # nobody killed anyone: each rank exited by itself, with its error
             assert info["exitcode"] == 3, (rank, info, result.stderr[-3000:])
-            assert info["seconds"] < EXIT_BUDGET_S, (rank, info)
     else:
-        result, reports, elapsed = torchrun_load("reshard", folder, "-", tmp_path, nproc, env=env, check=False)
-        assert result.returncode != 0 and elapsed < EXIT_BUDGET_S
+        result, reports, _ = torchrun_load("reshard", folder, "-", tmp_path, nproc, env=env, check=False)
+        assert result.returncode != 0
+    assert seconds_to_error(reports) < EXIT_BUDGET_S, reports
     errors = {report["error"] for report in reports}
     assert len(errors) == 1, errors  # the same agreed error on every rank, not one rank's own exception
     (error,) = errors

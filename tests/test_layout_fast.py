@@ -31,6 +31,7 @@ LONGER: dict[str, dict] = {
     "mellum": dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse", "dense", "sparse", "sparse"]),
     "llama4_text": dict(interleave_moe_layer_step=3),
     "longcat_flash": dict(num_layers=3),
+    "kolibri1_1": dict(kv_source_layers=list(range(LAYERS))),  # transformers 5.25: each layer its own K/V
 }
 
 # Model types whose conversion mapping is not index-agnostic, with the reason

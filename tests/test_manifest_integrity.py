@@ -32,7 +32,7 @@ from reshard.plan.mesh import MeshSpec
 from reshard.read.source import open_source
 from reshard.verification import check_folder
 
-from conftest import hang_guard, rank_reports, run_ranks
+from conftest import examples, hang_guard, rank_reports, run_ranks
 
 FSDP, EP = 4, 2
 VICTIM = "shard-00002-model-00001-of-00001.safetensors"
@@ -213,6 +213,7 @@ def load_errors(folder, src, tmp_path) -> list[dict]:
     return found
 
 
+@pytest.mark.slow  # 4-rank loads
 @pytest.mark.multirank
 def test_a_flipped_dtype_stops_every_rank_of_a_four_rank_load_with_one_agreed_error(written, tmp_path):
     out, src, _ = written
@@ -347,6 +348,7 @@ def test_a_config_passed_by_the_caller_needs_no_config_json(written, tmp_path):
     assert_exact(model.state_dict(), reference)
 
 
+@pytest.mark.slow  # 4-rank loads
 @pytest.mark.multirank
 def test_config_json_linked_to_dev_zero_stops_every_rank_of_a_four_rank_load(written, tmp_path):
     out, src, _ = written
@@ -590,7 +592,7 @@ def playground(written, tmp_path_factory):
     return copy_folder(written[0], tmp_path_factory.mktemp("playground") / "p", real=(VICTIM,))
 
 
-@settings(max_examples=700, **PROPERTY)
+@settings(max_examples=examples(700), **PROPERTY)
 @given(data=st.data())
 def test_mutated_manifests_are_refused_or_load_exactly(written, links, data):
     out, _, reference = written
@@ -611,7 +613,7 @@ def test_mutated_manifests_are_refused_or_load_exactly(written, links, data):
     outcome(links, reference, reader=data.draw(st.integers(0, 2), label="reader") == 0)
 
 
-@settings(max_examples=500, **PROPERTY)
+@settings(max_examples=examples(500), **PROPERTY)
 @given(data=st.data())
 def test_mutated_manifest_bytes_are_refused_or_load_exactly(written, links, data):
     out, _, reference = written
@@ -633,7 +635,7 @@ def test_mutated_manifest_bytes_are_refused_or_load_exactly(written, links, data
 DTYPES = ["F32", "I32", "U32", "F16", "BF16", "I64", "F64", "U8", "BOOL", "F4", "XX"]
 
 
-@settings(max_examples=200, **PROPERTY)
+@settings(max_examples=examples(200), **PROPERTY)
 @given(data=st.data())
 def test_mutated_headers_with_restamped_crcs_are_refused_or_load_exactly(written, playground, data):
     out, _, reference = written

@@ -39,6 +39,7 @@ def _reports(folder, nproc):
     return reports
 
 
+@pytest.mark.slow  # train, save and merge on 4 ranks
 @pytest.mark.multirank
 def test_train_save_merge_and_resume_on_another_mesh(tiny, tmp_path):
     from transformers import AutoModelForCausalLM

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from reshard.plan import mesh as mesh_module
 from reshard.errors import MeshError, ReshardError
 from reshard.plan.mesh import Axis, MeshSpec
@@ -151,7 +152,7 @@ def test_distributed_config_repr_text():
         "DistributedConfig(fsdp_size=4, dp_replicate_size=2)"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(fsdp=st.integers(1, 24), ep=st.integers(1, 24), dp_replicate=st.integers(1, 3))
 def test_accepts_exactly_what_distributed_config_accepts(fsdp, ep, dp_replicate):
     from transformers.distributed import DistributedConfig

@@ -51,6 +51,7 @@ def processes_naming(text: str, grace: float = 5.0) -> list[str]:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # the simulated-node harness on real torchrun agents
 def test_each_node_sees_only_its_own_disk_and_a_taken_port_is_retried(disks):
     mount_at, node_dirs, reports = disks
     with socket.socket() as held:  # the probed port taken before node 0's agent listens: the race it must survive
@@ -75,6 +76,7 @@ def test_each_node_sees_only_its_own_disk_and_a_taken_port_is_retried(disks):
     assert processes_naming(str(mount_at)) == []
 
 
+@pytest.mark.slow  # the simulated-node harness on real torchrun agents
 def test_a_full_disk_and_a_read_only_disk_fail_on_their_node_only(disks):
     """Three nodes of one rank each (the fault is per node, and fewer processes keep the test short)."""
     mount_at, node_dirs, reports = disks
@@ -90,6 +92,7 @@ def test_a_full_disk_and_a_read_only_disk_fail_on_their_node_only(disks):
     assert list(mount_at.iterdir()) == []
 
 
+@pytest.mark.slow  # the simulated-node harness on real torchrun agents
 def test_a_killed_node_takes_the_other_down_within_seconds(disks):
     """Node 1 is SIGKILLed once its ranks are up; node 0's ranks wait on it in a barrier, which must fail, and
     node 0's agent must then exit non-zero, all well within the test's bound."""
@@ -111,6 +114,7 @@ def test_a_killed_node_takes_the_other_down_within_seconds(disks):
     assert processes_naming(str(mount_at)) == []
 
 
+@pytest.mark.slow  # the simulated-node harness on real torchrun agents
 def test_a_kill_after_seconds_reaches_processes_in_their_own_session(disks):
     """`after`: node 0 is killed by time, with a process that left the agent's session in its namespace (as
     torchrun's workers do): the namespace's teardown must take it too. No torch: it never gets that far."""
@@ -123,6 +127,7 @@ def test_a_kill_after_seconds_reaches_processes_in_their_own_session(disks):
     assert processes_naming(str(mount_at)) == []
 
 
+@pytest.mark.slow  # the simulated-node harness on real torchrun agents
 def test_a_hang_fails_with_each_nodes_output_and_leaves_no_process(disks):
     mount_at, node_dirs, reports = disks
     stall = "echo node 1 stalls; setsid bash -c 'sleep 600; :' \"$MOUNT_AT\""  # node 0's agent waits for it

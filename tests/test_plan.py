@@ -27,6 +27,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
+from conftest import examples
 from reshard.plan.dtypes import DTYPE_BITS
 from reshard.read.safetensors_header import read_header
 from reshard.errors import MeshError
@@ -311,7 +312,7 @@ def meshes_and_layouts(draw):
     return layout, MeshSpec(fsdp=ep * efsdp, ep=ep)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(meshes_and_layouts())
 def test_boxes_tile_every_tensor_exactly_once(case):
     layout, mesh = case
@@ -330,7 +331,7 @@ def test_boxes_tile_every_tensor_exactly_once(case):
                 assert box == box_of(*torch_local(shape, placement, mesh, f)), (tp.tensor.name, stock, f)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(meshes_and_layouts())
 def test_balanced_never_worse_and_even_when_a_dim_divides(case):
     layout, mesh = case
@@ -570,7 +571,7 @@ def test_chunk_runs_arbitrary_boxes(tmp_path_factory, data):
     assert torch.equal(_apply_runs(tmp_path, tensor, box, entries), _slice(full, box))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(fsdp=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24]), data=st.data())
 def test_every_coordinate_at_once_is_local_box_of_each(fsdp, data):
     """`coordinate_boxes`, `split_lengths` and `local_sizes` (what plan, coverage, the reader and the writers use to

@@ -58,6 +58,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # stock transformers on 8 ranks
 @pytest.mark.multirank
 @pytest.mark.parametrize("model_type,experts,fsdp,ep,timeout", CASES)
 def test_stock_load_matches_planned_boxes(tiny, tmp_path, model_type, experts, fsdp, ep, timeout):

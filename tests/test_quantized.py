@@ -304,6 +304,7 @@ def test_workers_write_the_same_files(models, written, tmp_path):
             assert file.read_bytes() == (tmp_path / "w2" / file.name).read_bytes(), file.name
 
 
+@pytest.mark.slow  # 4-rank loads
 @pytest.mark.multirank
 def test_multirank_loads_equal_the_references(models, written, tmp_path):
     pairs = [f"{written[name, mode, 4]}={models[name][1]}"

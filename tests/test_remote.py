@@ -85,6 +85,7 @@ def test_write_from_s3_is_byte_identical_to_the_local_write_in_few_requests(s3, 
     assert verify.returncode == 0 and "equal to s3://" in verify.stdout, verify.stderr
 
 
+@pytest.mark.slow  # the one-process write from S3 is in the default tests
 @pytest.mark.parametrize("how", ["workers", "torchrun"])
 def test_a_parallel_write_from_s3_is_the_same_bytes(s3, uploaded, tmp_path, how):
     src, _, url = uploaded
@@ -101,6 +102,7 @@ def test_a_parallel_write_from_s3_is_the_same_bytes(s3, uploaded, tmp_path, how)
     same_folders(out, tmp_path / "local")
 
 
+@pytest.mark.slow  # dequantizing is in the default tests locally (test_quantized.py)
 def test_a_dequantizing_write_from_s3_is_the_local_one_in_ranges(s3, tiny, tmp_path):
     """`--dequantize bf16` from a block-scaled FP8 checkpoint in S3: the same bytes as from the local copy, every
     data request ranged, nothing downloaded whole (each weight file is fetched at most once over)."""
@@ -160,8 +162,97 @@ def test_transient_errors_are_retried_and_then_named(s3, uploaded, tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
+# ---- ranges in flight: runs longer than a range, a range that fails mid-overlap ----------------------------------
+
+SMALL_RANGE = 1000  # far below every expert tensor of the tiny checkpoint: each is fetched in several ranges
+
+
+def _failing_range(monkeypatch, store_cls, *, after: int) -> list[int]:
+    """Make every try of the ranged read that starts at the `after`-th data offset seen fail as a reset connection
+    would (transient: retried to the limit, quickly); the offsets asked for are returned as they come."""
+    import reshard.read.remote as remote
+
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    original, seen, doomed = store_cls._get_into, [], []
+
+    def get_into(self, name, path, start, view):
+        if start > 0 and start not in seen:
+            seen.append(start)
+        if len(seen) >= after and not doomed:
+            doomed.append(seen[after - 1])
+        if doomed and start == doomed[0]:
+            raise ConnectionResetError("connection reset by the test")
+        return original(self, name, path, start, view)
+
+    monkeypatch.setattr(store_cls, "_get_into", get_into)
+    return seen
+
+
+def _fetch_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith(("reshard-fetch", "reshard-range"))]
+
+
+def test_a_write_from_s3_in_ranges_shorter_than_its_runs_is_the_local_write(s3, uploaded, tmp_path, monkeypatch):
+    import reshard.runs.fetch as fetch
+
+    src, _, url = uploaded
+    monkeypatch.setattr(fetch, "RANGE", SMALL_RANGE)
+    write_checkpoint(url["src"], tmp_path / "remote", MESH, progress=False)
+    write_checkpoint(src, tmp_path / "local", MESH, progress=False)
+    same_folders(tmp_path / "remote", tmp_path / "local")
+    from reshard.read.content import SAMPLE_BYTES, SAMPLES
+
+    data = [r for r in s3.requests(method="GET", key="src/model.safetensors") if r.range != "bytes=0-65535"]
+    lengths = [int(b) - int(a) + 1 for a, b in (r.range.removeprefix("bytes=").split("-") for r in data)]
+    assert lengths.count(SAMPLE_BYTES) >= SAMPLES  # the write identity's samples of the data (read.content)
+    fill = [n for n in lengths if n != SAMPLE_BYTES]
+    assert max(fill) == SMALL_RANGE and len(fill) > 4 * (fetch.DEPTH + 1), lengths  # many ranges, in flight
+    assert _fetch_threads() == []
+
+
+def test_a_range_failing_mid_overlap_leaves_nothing_and_no_thread(s3, uploaded, tmp_path, monkeypatch):
+    from reshard.errors import CheckpointError
+    import reshard.read.remote as remote
+    import reshard.runs.fetch as fetch
+
+    _, _, url = uploaded
+    monkeypatch.setattr(fetch, "RANGE", SMALL_RANGE)
+    seen = _failing_range(monkeypatch, remote.S3Store, after=fetch.DEPTH + 3)  # ranges before and after it in flight
+    out = tmp_path / "models" / "out"
+    out.parent.mkdir()
+    with pytest.raises(CheckpointError, match=r"failed after 4 attempts \(ConnectionResetError.*Nothing was kept"):
+        write_checkpoint(url["src"], out, MESH, progress=False)
+    assert len(seen) > fetch.DEPTH + 3  # the failing range was one of several in flight
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    assert _fetch_threads() == []
+
+
+def test_a_load_from_s3_in_small_ranges_is_exact_and_a_failing_range_stops_it(s3, uploaded, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import reshard
+    import reshard.read.remote as remote
+    import reshard.read.range_file as store
+    from reshard.errors import ReshardError
+
+    src, _, url = uploaded
+    monkeypatch.setattr(store, "RANGE", SMALL_RANGE)
+    reference = AutoModelForCausalLM.from_pretrained(src, use_kernels=False).state_dict()
+    model = reshard.from_pretrained(url["folder"])
+    assert all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())
+    assert _fetch_threads() == []
+    _failing_range(monkeypatch, remote.S3Store, after=store.DEPTH + 3)
+    with pytest.raises(ReshardError, match=r"failed after 4 attempts \(ConnectionResetError"):
+        reshard.from_pretrained(url["folder"])
+    assert _fetch_threads() == []
+
+
 # ---- loading from S3 ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 4-rank loads from S3
 @pytest.mark.multirank
 def test_a_4_rank_load_from_s3_is_exact_and_each_rank_reads_only_its_own_files(s3, uploaded, tmp_path):
     src, folder, url = uploaded
@@ -174,9 +265,15 @@ def test_a_4_rank_load_from_s3_is_exact_and_each_rank_reads_only_its_own_files(s
         assert report["mismatched"] == [] and report["tensors"] == 25
         rank = report["rank"]
         own = set(manifest["coords"][rank]["files"])
-        touched = {r.key.rsplit("/", 1)[-1] for r in s3.requests(access_key=f"rank{rank}", method="GET")
-                   if r.key.startswith("folder/shard-")}
+        gets = [r for r in s3.requests(access_key=f"rank{rank}", method="GET") if r.key.startswith("folder/shard-")]
+        touched = {r.key.rsplit("/", 1)[-1] for r in gets}
         assert touched == own, (rank, touched)
+        # every byte of its files fetched once; the headers twice (the ranks' agreement, the reader's check), each
+        # as its 8-byte prefix and the header alone, never a block of data dropped
+        heads = [r for r in gets if r.range.startswith(("bytes=0-", "bytes=8-"))]
+        assert [r.range for r in heads[:2]] == ["bytes=0-7", f"bytes=8-{heads[1].sent + 7}"], rank
+        sizes = sum((folder / name).stat().st_size for name in own)
+        assert sum(r.sent for r in gets) == sizes + sum(r.sent for r in heads) // 2, [(r.range, r.sent) for r in gets]
 
 
 def test_a_one_process_load_and_the_storage_reader_read_s3(s3, uploaded):
@@ -196,6 +293,7 @@ def test_a_one_process_load_and_the_storage_reader_read_s3(s3, uploaded):
     assert all(torch.equal(state[n], reference[n]) for n in reference)
 
 
+@pytest.mark.slow  # 4-rank loads from S3
 @pytest.mark.multirank
 def test_a_server_that_goes_away_mid_load_stops_every_rank_with_one_error(tiny, tmp_path):
     """Its own server (killing the session's would break later tests): every rank raises the same LoadError, in
@@ -236,6 +334,7 @@ def test_a_server_that_goes_away_mid_load_stops_every_rank_with_one_error(tiny, 
     assert stopped < 60, stopped
 
 
+@pytest.mark.slow  # a server of its own, killed mid-write
 def test_a_server_that_goes_away_mid_write_leaves_out_as_it_was(tiny, tmp_path):
     """Its own server: `write --overwrite` over an existing OUT, the server killed while a data request hangs; the
     command fails naming the URL, and OUT is the old folder, byte for byte, with no temporary beside it."""

@@ -117,20 +117,23 @@ def test_plan_accepts_a_reshard_folder_and_a_saved_folder(tiny, tmp_path):
     assert result.plan is not None and "reshard write" in result.summary()
 
 
-# ---- outputs are local or shared folders ------------------------------------------------------------------------------
+# ---- an output in a bucket needs credentials: refused before anything is read ----------------------------------------
 
 @pytest.mark.parametrize("command", ["write", "merge"])
-def test_a_url_as_output_is_refused_at_once_and_creates_nothing(tiny, tmp_path, command):
+def test_a_bucket_output_without_credentials_is_refused_at_once_and_creates_nothing(tiny, tmp_path, command):
     src = tiny("qwen3_moe")
     if command == "merge":
         write_checkpoint(src, tmp_path / "folder", MESH, progress=False)
         src = tmp_path / "folder"
     args = [command, src, "s3://bucket/out"] + (["--fsdp", 4] if command == "write" else [])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(PYTHONPATH=str(REPO), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+               AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_EC2_METADATA_DISABLED="true")
     result = subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 2, result.stderr
-    assert "a URL" in result.stderr and "local or shared file system" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+                            cwd=tmp_path, timeout=120, env=env)
+    assert result.returncode == 1, result.stderr  # the environment lacks what the call needs: the call is fine
+    assert "s3://bucket/out: no AWS credentials were found" in result.stderr, result.stderr
+    assert "Nothing was read or written" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "s3:").exists() and sorted(p.name for p in tmp_path.iterdir()) == \
         (["folder"] if command == "merge" else [])
 
@@ -147,7 +150,7 @@ def test_without_s3fs_an_s3_source_names_the_extra(tmp_path):
             "main()\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 2 and "pip install 'reshard[s3]'" in result.stderr, result.stderr
+    assert result.returncode == 2 and "pip install -e '.[s3]'" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -178,3 +181,61 @@ def test_a_config_value_of_the_wrong_type_or_not_finite_is_one_clear_error(tiny,
         assert result.returncode == 1 and said in result.stderr and "config.json" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- links that loop, and links a cache snapshot may not follow ---------------------------------------------------
+
+@pytest.mark.parametrize("where", ["folder", "snapshot"])
+@pytest.mark.parametrize("loop", ["two json files", "weights to itself"])
+def test_a_link_that_loops_is_refused_by_name(tiny, tmp_path, where, loop):
+    """Row 6: `x.json -> y.json -> x.json`, or `model.safetensors` linking to itself, in a folder or a cache
+    snapshot: one `CheckpointError` naming the file (it was `RuntimeError: Symlink loop from ...`, a traceback)."""
+    src = shutil.copytree(tiny("qwen3_moe"), tmp_path / "src")
+    folder = src if where == "folder" else cache_snapshot(src, tmp_path / "hub")
+    if loop == "two json files":
+        (folder / "x.json").symlink_to("y.json")
+        (folder / "y.json").symlink_to("x.json")
+        name = "x.json"
+    else:
+        (folder / "model.safetensors").unlink()
+        (folder / "model.safetensors").symlink_to("model.safetensors")
+        name = "model.safetensors"
+    with pytest.raises(CheckpointError, match=rf"{name}: a link that loops \(.*\).*Nothing was read or changed"):
+        open_source(folder)
+    result = invoke("write", folder, tmp_path / "out", "--fsdp", 4, "-q")
+    assert result.exit_code == 1 and f"{name}: a link that loops" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_snapshot_link_into_the_repo_but_outside_blobs_is_refused(tiny, tmp_path):
+    """Row 11: a snapshot file linking to `../../refs/main` (inside the repo folder, outside `blobs/`) was accepted
+    and copied into OUT; links are followed into `blobs/` only, as the docs and the refusal say."""
+    snapshot = cache_snapshot(tiny("qwen3_moe"), tmp_path / "hub")
+    (snapshot / "notes.txt").symlink_to(Path("..") / ".." / "refs" / "main")
+    result = invoke("write", snapshot, tmp_path / "out", "--fsdp", 4, "-q")
+    assert result.exit_code == 1, result.output
+    assert "notes.txt: a link out of the checkpoint folder" in result.output
+    assert "links are followed into" in result.output and "blobs" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+    (snapshot / "notes.txt").unlink()
+    assert invoke("write", snapshot, tmp_path / "out", "--fsdp", 4, "-q").exit_code == 0  # blobs/ links: fine
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+def test_an_empty_output_is_a_bad_call_and_the_current_folder_stays(tiny, tmp_path, command):
+    """Row 12: `reshard write SRC "" --overwrite` in an empty current folder exited 0 and swapped the current folder
+    itself for the output; now exit 2 before anything is read (merge DEST "" the same)."""
+    src = tiny("qwen3_moe")
+    if command == "merge":
+        write_checkpoint(src, tmp_path / "folder", MESH, progress=False)
+        src = tmp_path / "folder"
+    here = tmp_path / "here"
+    here.mkdir()
+    args = [command, src, "", "--overwrite"] + (["--fsdp", 4] if command == "write" else [])
+    result = subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True,
+                            cwd=here, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr
+    assert f'{"OUT" if command == "write" else "DEST"} is empty ("")' in result.stderr, result.stderr
+    assert "Nothing was read or written" in result.stderr and "Traceback" not in result.stderr
+    assert here.is_dir() and list(here.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["folder", "here"] if command == "merge" else ["here"])

@@ -270,6 +270,7 @@ def test_thread_count_reads_a_reshard_folder_exactly_and_checks_every_file(folde
         assert sorted(reader.checked_files) == sorted(f.name for f in reader.manifest.files)
 
 
+@pytest.mark.slow  # torch's scenarios on ranks
 @pytest.mark.multirank
 def test_torchs_dtensor_reshard_scenarios_load_with_reshards_reader(tmp_path):
     """1-D and 2-D meshes, every placement change, mesh changes both ways and an empty shard (4 gloo ranks): each

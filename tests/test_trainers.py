@@ -117,6 +117,7 @@ def check_training(case: dict, nproc: int, *, ram_efficient: bool) -> list[float
     return losses
 
 
+@pytest.mark.slow  # Trainer, SFTTrainer and accelerate on 4 ranks
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("trainer", ["trainer", "sft"])
@@ -144,6 +145,7 @@ def check_saved(saved, trained_file, dest, src) -> None:
     assert [key for key in trained if torch.equal(trained[key], original[key])] == []  # training changed them all
 
 
+@pytest.mark.slow  # Trainer, SFTTrainer and accelerate on 4 ranks
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("trainer,layout", CASES)
@@ -172,6 +174,7 @@ def accelerate_launch(nproc: int, script, *args, env: dict, timeout: float) -> s
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+@pytest.mark.slow  # Trainer, SFTTrainer and accelerate on 4 ranks
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_accelerate_fsdp_launch_with_ram_efficient_loading(source):

@@ -276,7 +276,8 @@ def test_golden_layout(tiny, tmp_path):
     manifest = json.loads(text)
     assert text == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     assert set(manifest) == {"format", "version", "tool", "source", "mesh", "distributed_config", "layout",
-                             "tensors", "coords", "files", "copied", "order", "source_layout"}
+                             "tensors", "coords", "files", "copied", "order", "source_layout", "write_id"}
+    assert len(manifest["write_id"]) == 64 and set(manifest["write_id"]) <= set("0123456789abcdef")
     assert manifest["copied"] == sorted(p.name for p in out.iterdir() if p.name != "reshard.json"
                                         and not p.name.startswith("shard-"))
     assert (manifest["format"], manifest["version"], manifest["layout"]) == ("reshard", 3, "stock")
@@ -461,3 +462,28 @@ def test_the_disk_starts_writing_while_the_copy_goes_on(tiny, tmp_path, monkeypa
         reference = tmp_path / {"write": "plain", "merge": "merged-plain", "deq": "deq-plain"}[what]
         for path in reference.glob("*.safetensors"):
             assert path.read_bytes() == (tmp_path / f"{what}-hinted" / path.name).read_bytes(), (what, path.name)
+
+
+def test_a_long_write_on_a_pipe_says_where_it_is_and_a_quick_one_says_nothing(monkeypatch, capsys):
+    """On a pipe (no terminal: tqdm draws nothing) the byte bar is a line every few seconds while files are written,
+    and one when they are; a write done within the first interval prints nothing."""
+    import time
+
+    from reshard.write import output
+
+    quick = output.progress_bar(10, None, "merge")  # capsys: stderr is no terminal
+    quick.update(10)
+    quick.close()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(output, "PIPE_EVERY_S", 0.05)
+    bar = output.progress_bar(3 << 20, None, "write")
+    bar.update(1 << 20)
+    deadline = time.monotonic() + 30
+    while not bar.said and time.monotonic() < deadline:  # a busy machine may run the ticker late
+        time.sleep(0.05)
+    bar.update(2 << 20)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("reshard write: 1.0 MiB of 3.0 MiB of files written (") for line in lines), lines
+    assert lines[-1].startswith("reshard write: all 3.0 MiB of files written; checking and completing"), lines
+    assert output.progress_bar(10, False, "write").disable  # --quiet: nothing at all

@@ -39,6 +39,7 @@ def empty_names(manifest: dict, coord: int) -> list[str]:
     ("qwen3_moe", 2, 4, [2, 3]),
     ("mixtral", 8, 5, [4]),
 ], ids=["qwen3_moe-2experts-fsdp4", "mixtral-8experts-fsdp5"])
+@pytest.mark.slow  # stock transformers on 4-5 ranks
 def test_stock_layout_loads_with_stock_transformers(tiny, tmp_path, model_type, experts, fsdp, empty_ranks):
     src = tiny(model_type, experts=experts)
     out = tmp_path / "out"

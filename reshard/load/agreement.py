@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..errors import LoadError, ReshardError, VerifyError
 from ..launch import gather, raise_if_any
-from ..manifest import MANIFEST_NAME, Manifest, copied_problems, header_problems, read_manifest
+from ..manifest import (MANIFEST_NAME, Manifest, copied_problems, different_writes, header_problems, read_manifest,
+                        write_label)
 from ..plan.ranks import RankSpans
 from ..read.checkpoint import header_of
 from ..read.source import locate
@@ -51,7 +52,7 @@ def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
             size = store.size(name)
             if size != entry.bytes:
                 return f"{name} has {size} bytes, the manifest says {entry.bytes}"
-            problems = header_problems(entry, manifest.chunks(entry), header_of(store, name))
+            problems = header_problems(entry, manifest.chunks(entry), header_of(store, name, exact=True))
         except FileNotFoundError:
             if _lost_not_staged(manifest, store, rank):  # a whole folder that lost a file
                 return (f"{name} is missing: the folder lost a file since it was written. Write it again, or copy "
@@ -63,6 +64,12 @@ def _check_own_files(manifest: Manifest, store, rank: int) -> str | None:
         if problems:
             return "; ".join(problems)
     return None
+
+
+def _node_name() -> str:
+    """This node in words: torchrun's node rank (GROUP_RANK) and the host name, or the host name alone."""
+    host = socket.gethostname()
+    return f"node {os.environ['GROUP_RANK']} ({host})" if "GROUP_RANK" in os.environ else host
 
 
 def _node_ranks(rank: int) -> RankSpans:
@@ -85,9 +92,7 @@ def _lost_not_staged(manifest: Manifest, store, rank: int, probes: int = 64) -> 
 def _node_lacks(manifest: Manifest, rank: int, what: str) -> str:
     """Why this node cannot load, and the commands that would give it its ranks' files: the same text on each of
     the node's ranks (torchrun's RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), so they are named together."""
-    spans = _node_ranks(rank)
-    node = f"node {os.environ['GROUP_RANK']} ({socket.gethostname()})" if "GROUP_RANK" in os.environ else \
-        socket.gethostname()
+    spans, node = _node_ranks(rank), _node_name()
     where = manifest.where
     return (f"on {node}, {where} {what}, not the files of this node's ranks {spans}. Write them there with "
             f"`reshard write SRC {where} {manifest.mesh.flags()} --ranks {spans}` (or every node's copy at once: "
@@ -168,13 +173,71 @@ def agree_to_load(folder, distributed_config=None, *, require_manifest: bool = T
     rank, world = dist.get_rank(), dist.get_world_size()
     has, manifest, store, problem = _local_checks(folder, distributed_config, rank, world,
                                                   require_manifest=require_manifest, need_config=need_config)
-    views = gather((has, problem))
+    gathered = gather((has, problem, None if manifest is None else _copy_facts(manifest, rank)))
+    views = [(h, p) for h, p, _ in gathered]
     if not require_manifest and not any(h for h, _ in views):
         return None
     if not require_manifest and not all(h for h, _ in views):
         views = [(h, p or (None if h else f"{folder}/{MANIFEST_NAME} is missing on this rank, present on others"))
                  for h, p in views]
+    copies = _copies_by_node([facts for _, _, facts in gathered])
+    lacking = any(p for _, p in views)  # copies swapped between nodes of replicas may still hold each rank's files
+    if (mismatch := _different_writes(folder, copies) or (lacking and _nodes_swapped(folder, copies))):
+        raise LoadError(mismatch)  # the same gathered facts on every rank: the same message
     raise_if_any([p for _, p in views])
     if distributed_config is None:
         distributed_config = DistributedConfig(**manifest.mesh.distributed_config_kwargs())
     return Agreed(manifest, store, distributed_config)
+
+
+def _copy_facts(manifest: Manifest, rank: int) -> dict:
+    """What this rank's copy is, for comparing copies across nodes: its write, mesh and ranks held, and the node."""
+    return {"write": manifest.write_id, "flags": manifest.mesh.flags(),
+            "holds": None if manifest.holds is None else [list(s) for s in manifest.holds],
+            "node": _node_name(), "group": os.environ.get("GROUP_RANK"), "host": socket.gethostname(),
+            "ranks": list(_node_ranks(rank))}
+
+
+def _copies_by_node(facts: list[dict | None]) -> list[dict]:
+    """One entry per node (its first rank's facts), in rank order; ranks without a manifest left out."""
+    nodes: dict[str, dict] = {}
+    for entry in facts:
+        if entry is not None:
+            nodes.setdefault(entry["node"], entry)
+    return list(nodes.values())
+
+
+def _different_writes(folder, copies: list[dict]) -> str | None:
+    """The message when nodes hold copies of different writes (other content, or another mesh), else None. A copy
+    without a write id (an older reshard's manifest) is compared by its mesh alone."""
+    if len({c["write"] for c in copies if c["write"]}) < 2 and len({c["flags"] for c in copies}) < 2:
+        return None
+    held = [(f"node {c['group']} ({c['host']}, ranks {RankSpans(c['ranks'])})" if c["group"] is not None else
+             f"{c['host']} (ranks {RankSpans(c['ranks'])})", c["write"], c["flags"]) for c in copies]
+    return different_writes(folder, held)
+
+
+def _nodes_swapped(folder, copies: list[dict]) -> str | None:
+    """The message when every node holds a copy of the write, but of another node's ranks: the nodes came up in
+    another order than the write's (torchrun's c10d rendezvous numbers nodes by arrival). None otherwise."""
+    if len(copies) < 2 or any(c["holds"] is None for c in copies):
+        return None
+    held = [_ranks_of(c["holds"]) for c in copies]
+    given = [_ranks_of(c["ranks"]) for c in copies]
+    if held == given or sorted(map(sorted, held)) != sorted(map(sorted, given)):
+        return None
+    wrong = [f"{c['node']} was given ranks {RankSpans(c['ranks'])} but holds the copy of ranks "
+             f"{RankSpans(c['holds'])}" for c, h, g in zip(copies, held, given) if h != g]
+    first, per_node = copies[0], len(given[0])
+    should = "; ".join(f"the node holding ranks {RankSpans(c['holds'])} must be node {min(h) // per_node}"
+                       for c, h in zip(copies, held))
+    return (f"{folder}: the nodes came up in another order than the write's: {'; '.join(wrong)}. Every copy is "
+            f"there ({write_label(first['write'])}); only the node ranks are swapped. Start the job with the write's "
+            f"node ranks ({should}): with torchrun's static rendezvous, `torchrun --nnodes N --node-rank K "
+            "--master-addr HOST ...` with K the node's index in the write, or the scheduler's node index "
+            "(`--node-rank $SLURM_NODEID`). Only if a copy is wrong, write it again on that node with `reshard write "
+            f"SRC {folder} {first['flags']} --ranks FIRST-LAST`. Nothing was loaded.")
+
+
+def _ranks_of(spans) -> set[int]:
+    return {r for first, last in spans for r in range(first, last + 1)}

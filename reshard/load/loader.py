@@ -13,12 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import LoadError, ReshardError
-from ..launch import group_exists, group_owned, in_distributed_job
+from ..launch import group_exists, group_owned, in_distributed_job, launcher_world_size
 from ..manifest import MANIFEST_NAME, Manifest, coverage_problems, header_problems, read_manifest
 from ..read.checkpoint import torch_dtype
 from ..read.safetensors_header import header_of
 from .agreement import agree_to_load, check_copied
 from .patch import active_manifest, install, uninstall_unless_user
+from .progress import LoadProgress, current, showing, shown_here
 
 
 def _model_class(manifest: Manifest, model_class):
@@ -30,7 +31,7 @@ def _model_class(manifest: Manifest, model_class):
 
 
 def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_config=None,
-                    check_checksums: bool = True, **kwargs):
+                    check_checksums: bool = True, progress: bool | None = None, **kwargs):
     """Load a folder written by `reshard write` (a local folder, a node's own copy, or an `s3://` URL).
 
     In a multi-rank job every rank reads only its own files, with the mesh from the manifest (or
@@ -48,6 +49,8 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
         model_class: a transformers model class (default: the architecture recorded in the manifest).
         distributed_config: a `DistributedConfig`; built from the manifest when omitted.
         check_checksums: verify the CRC-32 of the files read (computed over the bytes as they are read).
+        progress: show the load's phases on stderr (starting, checked, reading N of M files, materializing, loaded;
+            a bar on a terminal). Default: on the first rank of each node (`LOCAL_RANK` 0) only.
         **kwargs: passed to `model_class.from_pretrained`.
 
     Returns:
@@ -61,21 +64,36 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
     """
     installed_here = install()
     had_group = group_exists()
+    shown = LoadProgress(os.fspath(folder), shown=shown_here(progress))
     try:
-        if not in_distributed_job():
-            store = _store_of(folder)
-            manifest = _manifest_of(store)
-            return _load_whole(store, manifest, _model_class(manifest, model_class),
-                               check_checksums=check_checksums, **kwargs)
-        with group_owned(created=not had_group):
-            agreed = agree_to_load(folder, distributed_config, need_config=kwargs.get("config") is None)
-            with active_manifest(agreed.manifest, agreed.store, checksums=check_checksums), \
-                    local_folder(agreed.store, agreed.manifest) as local:
-                return _model_class(agreed.manifest, model_class).from_pretrained(
-                    local, distributed_config=agreed.distributed_config, **kwargs)
+        with showing(shown):
+            if not in_distributed_job():
+                shown.phase("starting in one process (the whole model)")
+                store = _store_of(folder)
+                manifest = _manifest_of(store)
+                model = _load_whole(store, manifest, _model_class(manifest, model_class),
+                                    check_checksums=check_checksums, **kwargs)
+            else:
+                model = _load_distributed(folder, model_class, distributed_config, check_checksums, had_group,
+                                          **kwargs)
+        shown.phase("loaded")
+        return model
     finally:
         if installed_here:
             uninstall_unless_user()
+
+
+def _load_distributed(folder, model_class, distributed_config, check_checksums: bool, had_group: bool, **kwargs):
+    shown = current()
+    shown.phase(f"starting on {launcher_world_size()} ranks: every rank checks its files, then all agree")
+    with group_owned(created=not had_group):
+        agreed = agree_to_load(folder, distributed_config, need_config=kwargs.get("config") is None)
+        shown.phase(f"every rank's files checked; building the model on the meta device, sharded for "
+                    f"{agreed.manifest.mesh.describe()}")
+        with active_manifest(agreed.manifest, agreed.store, checksums=check_checksums), \
+                local_folder(agreed.store, agreed.manifest) as local:
+            return _model_class(agreed.manifest, model_class).from_pretrained(
+                local, distributed_config=agreed.distributed_config, **kwargs)
 
 
 def _store_of(folder):
@@ -136,6 +154,8 @@ def assemble_state_dict(folder, *, check_checksums: bool = True) -> dict:
     """
     store = folder if hasattr(folder, "read_all") else _store_of(folder)
     manifest = _manifest_of(store)
+    current().phase(f"checking {len(manifest.files)} files" + (" (CRC-32 and headers)" if check_checksums else "")
+                    + " and that they cover every tensor")
     problems = coverage_problems(manifest)
     for entry in manifest.files:
         problems += _file_problems(store, manifest, entry, check_checksums)
@@ -182,20 +202,29 @@ def _assembled(store, manifest: Manifest) -> dict:
             raise LoadError(f"{name} is {info.dtype}, a safetensors dtype this loader cannot assemble in torch.")
         out[name] = torch.empty(info.shape, dtype=dtype)
     replicated_done = set()  # every coordinate holds a copy: read one
-    for entry in manifest.files:
-        stored = {t.name: t for t in header_of(store, entry.name).tensors}
-        for chunk in manifest.chunks(entry):
-            if chunk.is_empty or chunk.name in replicated_done:
-                continue
-            if manifest.tensors[chunk.name].is_replicated:
-                replicated_done.add(chunk.name)
-            t = stored[chunk.name]
-            data = bytearray(store.read(entry.name, t.data_start, t.nbytes))
-            local = torch.frombuffer(data, dtype=out[chunk.name].dtype).reshape(chunk.shape) if t.nbytes else None
-            region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
-            if local is not None:
-                out[chunk.name][region] = local
+    with current().reading(len(manifest.files), manifest.bytes, "with headers, the whole model") as shown:
+        for done, entry in enumerate(manifest.files, 1):
+            _place_file(store, manifest, entry, out, replicated_done)
+            shown(done, sum(e.bytes for e in manifest.files[:done]))
     return out
+
+
+def _place_file(store, manifest: Manifest, entry, out: dict, replicated_done: set) -> None:
+    """Each chunk file `entry` holds, read and placed at its offsets in `out`'s full tensors."""
+    import torch
+
+    stored = {t.name: t for t in header_of(store, entry.name).tensors}
+    for chunk in manifest.chunks(entry):
+        if chunk.is_empty or chunk.name in replicated_done:
+            continue
+        if manifest.tensors[chunk.name].is_replicated:
+            replicated_done.add(chunk.name)
+        t = stored[chunk.name]
+        data = bytearray(store.read(entry.name, t.data_start, t.nbytes))
+        local = torch.frombuffer(data, dtype=out[chunk.name].dtype).reshape(chunk.shape) if t.nbytes else None
+        region = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+        if local is not None:
+            out[chunk.name][region] = local
 
 
 def _load_whole(store, manifest: Manifest, model_class, *, check_checksums: bool = True, **kwargs):

@@ -32,6 +32,7 @@ import threading
 from contextlib import contextmanager
 
 from ..manifest import MANIFEST_NAME
+from .progress import current
 
 # The manifest of the reshard folder being loaded and the store its files are read from, set around `from_pretrained`.
 _active_manifest: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("reshard_manifest", default=None)
@@ -240,6 +241,7 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
             _ram_efficient_non_rank_0(mu) and hf_quantizer is None and _active_manifest.get() is None):
         return original(self, missing_keys, device_map, device_mesh, hf_quantizer)
     tied = set(self.all_tied_weights_keys.keys())
+    current().phase("materializing the tensors still on the meta device (buffers made off meta keep their values)")
 
     def place(key, tensor, make_empty):
         device = mu.get_device(device_map, key, valid_torch_device=True)

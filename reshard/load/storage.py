@@ -25,6 +25,7 @@ say which was which; `reshard verify OUT` checks everything.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 
@@ -33,6 +34,7 @@ from ..read.safetensors_header import MAX_HEADER_BYTES, FileHeader, parse_header
 from ..errors import LoadError, ReshardError
 from .chunk_map import ChunkMap, own_coord
 from .local_read import BackgroundCrc, Staging, fill, read_tensor
+from .progress import current
 from ..manifest import MANIFEST_NAME, Manifest, header_problems, read_manifest
 from ..runs.byte_runs import row_major_strides
 from ..words import plural
@@ -154,12 +156,16 @@ class StorageReader(HuggingFaceStorageReader):
                                 []).append(item)
         names = sorted(per_file)
         threads = min(max(int(self.thread_count), 1), len(names))
-        if threads <= 1:
-            staging = Staging()
-            for name in names:
-                self._read_checked(name, per_file[name], planner, staging)
-        else:
-            self._read_in_threads(names, per_file, planner, threads)
+        sizes = {name: sum(math.prod(i.lengths) * torch_dtype(self.manifest.tensors[i.storage_index.fqn].dtype).itemsize
+                           for i in per_file[name]) for name in names}
+        with current().reading(len(names), sum(sizes.values()), "of tensor data, this rank's") as shown:
+            if threads <= 1:
+                staging = Staging()
+                for done, name in enumerate(names, 1):
+                    self._read_checked(name, per_file[name], planner, staging)
+                    shown(done, sum(sizes[n] for n in names[:done]))
+            else:
+                self._read_in_threads(names, per_file, planner, threads)
         future = Future()
         future.set_result(None)
         return future
@@ -202,6 +208,8 @@ class StorageReader(HuggingFaceStorageReader):
             raise LoadError(f"{name} cannot be read ({e.strerror or e})") from e
 
     def _header(self, fh, name: str, entry) -> tuple[FileHeader, bytes]:
+        """File `name`'s header, checked against the manifest: its 8-byte length prefix and the header read through
+        `fh`, no more (two ranged requests from an object store: nothing is fetched ahead before `expect`)."""
         size = self.store.size(name)
         if size != entry.bytes:
             raise LoadError(f"{name} has {size} bytes, the manifest says {entry.bytes}")
@@ -233,6 +241,8 @@ class StorageReader(HuggingFaceStorageReader):
             for item in items:
                 spans.setdefault(_span(tensors[item.storage_index.fqn], item), []).append(item)
             ordered = sorted(spans)
+            if hasattr(fh, "expect"):  # a remote file: these ranges fetched ahead, in large requests
+                fh.expect(ordered)
             whole = [(t.data_start, t.data_start + t.nbytes) for t in header.tensors if t.nbytes]
             crc = BackgroundCrc() if self.check_checksums and [s for s in ordered if s[1] > s[0]] == whole else None
             try:

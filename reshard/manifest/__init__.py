@@ -12,23 +12,23 @@ The names below are the package's public ones: `from reshard.manifest import X` 
 """
 
 from .coverage import coverage_problem, coverage_problems, region_text
-from .document import build_manifest, joined_copies
+from .document import build_manifest, different_writes, joined_copies
 from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of, placement_of
 from .format import (DCP_SHARDING_INFO_KEY, DCP_VERSION, DCP_VERSION_KEY, EXTRA_FILE, MANIFEST_FORMAT, MANIFEST_NAME,
                      MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, SHARD_FILE_NAME, dcp_metadata, extra_file_name,
                      shard_file_name)
 from .members import check_member, copied_problems, file_crc32, member_problem, open_member, plain_name_problem
-from .parsed import MAX_MANIFEST_BYTES, Manifest, claimed_names, header_problems, read_manifest
+from .parsed import MAX_MANIFEST_BYTES, Manifest, claimed_names, header_problems, read_manifest, write_label
 from .source_layout import SOURCE_LAYOUT_VERSION, OnDisk, source_layout_record, tied_from_record
 from .validate import validate_manifest
 
 __all__ = [
     "Chunk", "CoordEntry", "DCP_SHARDING_INFO_KEY", "DCP_VERSION", "DCP_VERSION_KEY", "EXTRA_FILE", "ExtrasEntry",
     "FileEntry", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "Manifest", "OnDisk",
-    "SAVED_OFFSETS_KEY", "SHARD_FILE", "SHARD_FILE_NAME", "SOURCE_LAYOUT_VERSION", "SourceRecord", "TensorInfo", "build_manifest",
-    "joined_copies",
+    "SAVED_OFFSETS_KEY", "SHARD_FILE", "SHARD_FILE_NAME", "SOURCE_LAYOUT_VERSION", "SourceRecord", "TensorInfo",
+    "build_manifest", "different_writes", "joined_copies",
     "check_member", "chunk_of", "claimed_names", "copied_problems", "coverage_problem", "coverage_problems",
     "dcp_metadata", "extra_file_name", "file_crc32", "header_problems", "member_problem", "open_member",
     "placement_of", "plain_name_problem", "read_manifest", "region_text", "shard_file_name", "source_layout_record",
-    "tied_from_record", "validate_manifest",
+    "tied_from_record", "validate_manifest", "write_label",
 ]

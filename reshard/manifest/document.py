@@ -7,6 +7,9 @@ built in the order docs/format.md describes them; `dump_manifest` writes them so
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from .. import __version__
 from ..plan.layout import TargetTensor
 from ..plan.placement import Placement, ReshardPlan
@@ -44,6 +47,7 @@ def _document(plan: ReshardPlan, index, files: list[dict], extras) -> dict:
         "version": MANIFEST_VERSION,
         "tool": f"reshard {__version__}",
         "source": _source(plan, index),
+        "write_id": write_id(plan, index),  # the same for every node's copy of one write (docs/format.md)
         "mesh": mesh.to_dict(),
         "distributed_config": mesh.distributed_config_kwargs(),
         "layout": plan.mode.value,
@@ -58,6 +62,16 @@ def _document(plan: ReshardPlan, index, files: list[dict], extras) -> dict:
         # with --drop-unloaded: how many the source held, so that `merge` can say what it cannot write back
         **({"dropped_unloaded": len(plan.layout.extras)} if plan.layout.extras and not plan.extras else {}),
     }
+
+
+def write_id(plan: ReshardPlan, index) -> str:
+    """The write's identity: the SHA-256 of what was read (each weight file's name, size, header digest and data
+    tag, `index.content_tags()`) and what it was planned for (the mesh, the layout, extras kept or dropped). Separate
+    `write --ranks` runs from the same content for the same mesh get the same id; other content or another mesh
+    another."""
+    record = {"content": index.content_tags(), "mesh": plan.mesh.to_dict(), "layout": plan.mode.value,
+              "dropped_unloaded": bool(plan.layout.extras and not plan.extras)}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def _source(plan: ReshardPlan, index) -> dict:
@@ -100,21 +114,46 @@ def _dequantized_from(tensor: TargetTensor, index) -> dict:
     return {"dequantized_from": record}
 
 
-def joined_copies(documents: list[dict], where) -> dict:
+def different_writes(where, held: list[tuple[str, str | None, str]]) -> str:
+    """The message when nodes hold copies of different writes: `held` is each holder's (name, write id, mesh
+    flags), holders of one write named together."""
+    from .parsed import write_label
+
+    groups: dict[tuple, list[str]] = {}
+    for who, write, flags in held:
+        groups.setdefault((write, flags), []).append(who)
+    named = "; ".join(f"{' and '.join(whos)} {'hold' if len(whos) > 1 else 'holds'} {write_label(write)} ({flags})"
+                      for (write, flags), whos in groups.items())
+    return (f"{where}: the nodes hold copies of different writes: {named}. The source's content or the mesh "
+            "differs between them (a copy written before SRC changed, or for another mesh). Every node needs its copy "
+            "of one write: write them again together (`torchrun ... -m reshard write SRC OUT ... --node-local`), or "
+            "with `write --ranks` on each node from the same SRC content and mesh; `reshard verify` on each node "
+            "says which write its copy belongs to. Nothing was changed.")
+
+
+def joined_copies(documents: list[dict], where, holders: list[str] | None = None) -> dict:
     """One whole folder's manifest document from the manifests of nodes' copies of it (`write --node-local`): their
     files and coordinates together, the extras from the copy that has them, no `holds`. Copies of one folder differ
-    in nothing else; whole copies (staged by hand) are already the same.
+    in nothing else; whole copies (staged by hand) are already the same. `holders`: each document's holder, for
+    messages (`node 0`, ...). A copy without a `write_id` (an older reshard's) is compared on what it records.
 
     Raises:
-        ManifestError: the copies are of different folders (naming the key that differs).
+        ManifestError: the copies are of different writes (naming which holder holds which), or of different
+            folders (naming the key that differs).
     """
     from ..errors import ManifestError
 
-    joined = {k: v for k, v in documents[0].items() if k not in ("holds", "files", "coords", "extras")}
+    holders = holders or [f"copy {i}" for i in range(len(documents))]
+    if len({d["write_id"] for d in documents if d.get("write_id")}) > 1:
+        held = [(who, d.get("write_id"), _flags(d.get("mesh"))) for who, d in zip(holders, documents)]
+        raise ManifestError([different_writes(where, held)])
+    skipped = {"holds", "files", "coords", "extras"} | ({"write_id"} if not all(d.get("write_id") for d in documents)
+                                                          else set())
+    joined = {k: v for k, v in documents[0].items() if k not in skipped}
     files: dict[str, dict] = {}
     coords: dict[int, dict] = {}
     for document in documents:
-        if differs := sorted(k for k in set(joined) | set(document) - {"holds", "files", "coords", "extras"}
+        if differs := sorted(k for k in set(joined) | set(document) - skipped
                              if document.get(k) != joined.get(k)):
             raise ManifestError([f"{where}: the nodes hold copies of different folders ({MANIFEST_NAME} differs in "
                                  f"{differs[0]}); every node needs its copy of the same write"])
@@ -127,3 +166,12 @@ def joined_copies(documents: list[dict], where) -> dict:
     joined["files"] = sorted(files.values(), key=lambda f: (f.get("coord", 0), f.get("first", 0), f["name"]))
     joined["coords"] = [coords[c] for c in sorted(coords)]
     return joined
+
+
+def _flags(mesh) -> str:
+    """A manifest's `mesh` as the command line gives it (`MeshSpec.flags`), from the document as it is."""
+    if not isinstance(mesh, dict):
+        return f"mesh {mesh!r}"
+    order = ["fsdp", "ep", "dp_replicate", "tp", "pp"]
+    keys = [k for k in order if k in mesh] + sorted(set(mesh) - set(order))
+    return " ".join(f"--{k.replace('_', '-')} {mesh[k]}" for k in keys if mesh[k] != 1 or k == "fsdp")

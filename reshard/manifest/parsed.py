@@ -25,6 +25,14 @@ from .validate import validate_manifest
 MAX_MANIFEST_BYTES = 1 << 30  # far above any real manifest (linear in tensors plus coordinates)
 
 
+SHORT_ID = 12  # hex digits of a write's id shown in messages: enough to tell writes apart at a glance
+
+
+def write_label(write_id: str | None) -> str:
+    """`write 3f2a9c1b07de` (the id's first `SHORT_ID` digits), or what a manifest without an id is."""
+    return f"write {write_id[:SHORT_ID]}" if write_id else "a write of unknown identity (no write_id: an older reshard)"
+
+
 @dataclass(frozen=True)
 class Manifest:
     """`reshard.json`, parsed and validated: the one typed value of a reshard folder's manifest. See docs/format.md,
@@ -41,6 +49,8 @@ class Manifest:
             sections (`layout`: `balanced` or `stock`).
         holds: for a node's own copy (`write --node-local`, `write --ranks`), the ranks whose files it holds, as
             `(first, last)` spans; None for a whole folder.
+        write_id: the identity of the write the folder or copy belongs to (`reshard.manifest.document.write_id`),
+            the same in every node's copy of one write; None in a manifest written before reshard recorded it.
     """
 
     where: str
@@ -56,6 +66,7 @@ class Manifest:
     dropped_unloaded: int
     tool: str
     holds: tuple[tuple[int, int], ...] | None
+    write_id: str | None
     _document: dict = field(repr=False, compare=False)
 
     @classmethod
@@ -135,6 +146,11 @@ class Manifest:
                              "it holds, or none to check the whole copy. Nothing was checked.")
         files = tuple(f for f in self.files if f.coord in coords)
         return replace(self, holds=tuple(tuple(s) for s in spans), files=files, extras=())
+
+    @property
+    def write_label(self) -> str:
+        """The write this folder or copy belongs to, in words (`write_label`)."""
+        return write_label(self.write_id)
 
     def holds_rank(self, rank: int) -> bool:
         """Whether this copy holds the files rank `rank` reads."""

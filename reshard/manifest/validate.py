@@ -274,7 +274,7 @@ def validate_manifest(data) -> dict:
 
     Returns:
         `mesh`, `order`, `tensors`, `files`, `coords`, `copied`, `source`, `layout`, `extras`, `dropped_unloaded`,
-        `tool`, `holds`: the fields of `Manifest`.
+        `tool`, `holds`, `write_id`: the fields of `Manifest`.
 
     Raises:
         ManifestError: the first problem, naming the key and its value.
@@ -311,4 +311,9 @@ def validate_manifest(data) -> dict:
     return {"mesh": mesh, "order": order, "tensors": MappingProxyType(tensors), "files": files, "coords": coords,
             "copied": _copied(data), "source": _source(data), "layout": layout, "extras": _extras(data, files),
             "dropped_unloaded": _get(data, "dropped_unloaded", "", _natural, "a count >= 0", optional=True, default=0),
-            "tool": _get(data, "tool", "", _str, "a string", optional=True, default=""), "holds": holds}
+            "tool": _get(data, "tool", "", _str, "a string", optional=True, default=""), "holds": holds,
+            "write_id": _get(data, "write_id", "", _digest, "a SHA-256 in 64 hex digits", optional=True)}
+
+
+def _digest(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)

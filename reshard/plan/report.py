@@ -16,16 +16,21 @@ MAP_WIDTH = 128  # one character per rank up to this many ranks; runs beyond, so
 MAX_RUNS = 24
 
 
-def _rank_map(rows: tuple[int, ...], replicated: bool) -> str:
+def per_rank_maps(maps: list[tuple[int, ...]]) -> bool:
+    """Whether every rank map of one report fits one character per rank: a report uses one notation throughout."""
+    return all(max(rows, default=0) < 10 and len(rows) <= MAP_WIDTH for rows in maps)
+
+
+def _rank_map(rows: tuple[int, ...], replicated: bool, per_rank: bool = True) -> str:
     """Rows on the split dim per fsdp coordinate, `.` for an empty local.
 
-    One character per rank while every count is a single digit and there are at most `MAP_WIDTH` ranks
-    (`33333320` for 8 ranks of GLM-4.6 stock); otherwise runs, `384 on 64 ranks`, `12 on 3 ranks, . on 1 rank` when
-    the last of 4 ranks is empty; past `MAX_RUNS` runs, the rest is counted.
+    `per_rank` (every map of the report qualifies, `per_rank_maps`): one character per rank (`33333320` for 8 ranks
+    of GLM-4.6 stock); otherwise runs, `384 on 64 ranks`, `12 on 3 ranks, . on 1 rank` when the last of 4 ranks is
+    empty; past `MAX_RUNS` runs, the rest is counted.
     """
     if replicated:
         return "all ranks hold it whole"
-    if max(rows) < 10 and len(rows) <= MAP_WIDTH:
+    if per_rank and max(rows) < 10 and len(rows) <= MAP_WIDTH:
         return "".join("." if n == 0 else str(n) for n in rows)
     runs: list[list[int]] = []
     for n in rows:
@@ -149,22 +154,29 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         "",
         "routed experts (rank map: rows on the split dim per rank, '.' = empty local)",
     ]
+    if any("_StridedShard" in p.describe() for f in families for p in (f.stock, f.planned)):
+        lines.append("  (_StridedShard(0, sf=N) is torch's private placement that transformers gives the expert dim "
+                     "under EP: it is cut into N EP blocks, each split over efsdp = fsdp/ep ranks)")
+    dense_empty = [f for f in families if f.role is not Role.EXPERT and f.stock_empty]
+    per_rank = per_rank_maps([rows for f in families if f.role is Role.EXPERT
+                              for rows in (f.stock_rows, f.planned_rows)]
+                             + [f.stock_rows for f in dense_empty if f.stock.kind is not Kind.REPLICATED])
     width = max((len(p.describe()) for f in families for p in (f.stock, f.planned)), default=0)
     for f in families:
         if f.role is not Role.EXPERT:
             continue
         lines.append(f"  {f.pattern}  {list(f.shape)} {f.dtype}  ({plural(f.count, 'tensor')})")
-        lines.append(f"    stock    {f.stock.describe():{width}s}  {_rank_map(f.stock_rows, False)}"
+        lines.append(f"    stock    {f.stock.describe():{width}s}  {_rank_map(f.stock_rows, False, per_rank)}"
                      + (f"  empty on {plural(len(f.stock_empty), 'rank')}" if f.stock_empty else ""))
         choice = "same as stock" if f.planned == f.stock else f"split dim {f.planned.shard_dim} (divides evenly)"
         if f.planned == f.stock and f.stock_empty:
             choice = "no dim divides evenly: explicit empty markers"
-        lines.append(f"    planned  {f.planned.describe():{width}s}  {_rank_map(f.planned_rows, False)}  {choice}")
-    dense_empty = [f for f in families if f.role is not Role.EXPERT and f.stock_empty]
+        lines.append(f"    planned  {f.planned.describe():{width}s}  {_rank_map(f.planned_rows, False, per_rank)}"
+                     f"  {choice}")
     if dense_empty:
         lines += ["", "dense tensors with empty locals (loaded with explicit empty markers; FSDP handles these):"]
         for f in dense_empty:
-            rank_map = _rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED)
+            rank_map = _rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED, per_rank)
             lines.append(f"  {f.pattern}  {list(f.shape)} ({plural(f.count, 'tensor')})  {rank_map}")
     if plan.quantization is not None:
         q = quantization_summary(plan)
@@ -186,7 +198,7 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         f"({_experts_among(stats['stock_empty_expert_tensors'])}) {_on_ranks(stats['stock_empty_ranks'])};",
         f"         reshard's layout: {plural(stats['planned_empty_tensors'], 'tensor')} empty "
         f"({_experts_among(stats['planned_empty_expert_tensors'])}) {_on_ranks(stats['planned_empty_ranks'])}, "
-        "each an explicit empty marker.",
+        "each an explicit empty marker in each of those ranks' files (one marker per tensor and rank).",
         f"expert bytes per rank, max/mean: stock {human_bytes(stats['stock_expert_bytes_max'])} / "
         f"{human_bytes(stats['stock_expert_bytes_mean'])} = {stats['stock_expert_max_over_mean']:.2f}; planned "
         f"{human_bytes(stats['planned_expert_bytes_max'])} / {human_bytes(stats['planned_expert_bytes_mean'])} = "

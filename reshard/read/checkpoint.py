@@ -73,6 +73,13 @@ class CheckpointIndex:
         """The local folder of the files, or None when they are not on this machine."""
         return getattr(self.store, "root", None)
 
+    def content_tags(self) -> list[list]:
+        """Each weight file's name, size, header digest and data tag: what a write's identity records of its source
+        (`reshard.read.content`)."""
+        from .content import content_tags
+
+        return content_tags(self)
+
     def on_disk_layout(self, layout) -> dict | None:
         """Per in-memory tensor of `layout` (a `ModelLayout` of this checkpoint), the on-disk keys that make it, each
         as (key, offset, stacked dim, shape): what the manifest records for `merge --layout original`. A source that

@@ -32,6 +32,7 @@ from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY,
                         header_problems, read_manifest, region_text, tied_from_record)
 from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, role_of, whole_tensor
 from ..plan.mesh import ranks_text
+from ..plan.ranks import RankSpans
 from ..words import plural
 from .checkpoint import CheckpointIndex, copied_files, read_config
 from .safetensors_header import FileHeader, TensorEntry, header_of
@@ -114,6 +115,12 @@ def _checked_header(store, entry, spec: str, manifest, holds: str) -> FileHeader
 
 def _read_reshard_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
     manifest = read_manifest(store)  # a ManifestError names the key and the value
+    if manifest.holds is not None:  # joined copies (`--node-local`) hold every rank's files: their manifest no `holds`
+        raise CheckpointError(
+            f"{spec} is a node's copy: it holds the files of ranks {RankSpans(manifest.holds)} only, not the whole "
+            f"checkpoint. Compare with the checkpoint it was written from ({manifest.source.source}), check the copy "
+            f"itself with `reshard verify {spec}`, or merge every node's copy with `torchrun ... -m reshard merge "
+            f"{spec} DEST --node-local`.", path=spec)
     headers: list[FileHeader] = []
     chunks: dict[str, list[tuple[TensorEntry, tuple[int, ...]]]] = {name: [] for name in manifest.order}
     for entry in manifest.files:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .checkpoint import INDEX_NAME, METADATA_PATTERNS
-from .remote import CachedHubStore, RemoteStore
+from .remote import READ_TIMEOUT_S, CachedHubStore, RemoteStore
 from .store import LocalStore, Store
 
 # Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
@@ -42,14 +42,67 @@ def hub_store(repo_id: str, revision: str | None, *, stream: bool, data: bool) -
     commit = root.name if root.parent.name == "snapshots" else revision
     if data and not stream:
         root = _snapshot(repo_id, commit, allow=[*METADATA_PATTERNS, *_hub_weight_names(root)], weights=True)
-    if data and not stream or not stream and _weights_cached(root, some=_offline()):
+    offline = _offline()
+    if data and not stream or (offline or not stream) and _weights_cached(root, some=offline):
+        # offline the cache is all there is, streaming or not: reading the snapshot names what it lacks
         repo = cache_repo_of(root)
-        return LocalStore(root, link_root=repo, cache_repo=repo) if repo else LocalStore(root)
-    from huggingface_hub import HfFileSystem
+        return LocalStore(root, cache_repo=repo) if repo else LocalStore(root)
+    commit = commit or revision or "main"
+    return CachedHubStore(RemoteStore(HubFiles(repo_id, commit), HubFiles.base(repo_id, commit), f"hf://{repo_id}"),
+                          repo_id, commit)
 
-    remote = RemoteStore(HfFileSystem(), f"{repo_id}@{commit}" if commit else repo_id, f"hf://{repo_id}",
-                         read_options={"cache_type": "none"})
-    return CachedHubStore(remote, repo_id, commit) if commit else remote
+
+class HubFiles:
+    """The three calls `RemoteStore` makes (`ls`, `info`, `cat_file`), for a Hub repo at one commit, each one HTTP
+    request: huggingface_hub's `HfFileSystem` retries 5 times with backoff inside each of reshard's attempts (measured
+    with a Hub answering 500: 98 s and 40 log lines before the error), so reshard's bound and its silence hold only
+    with reshard's own retries. Reading at a commit id, never a branch, the bytes cannot change under a read."""
+
+    def __init__(self, repo_id: str, commit: str):
+        self.repo_id, self.commit = repo_id, commit
+
+    @staticmethod
+    def base(repo_id: str, commit: str) -> str:
+        return f"{repo_id}@{commit}"
+
+    def _get(self, url: str, *, method: str = "GET", headers: dict | None = None, params: dict | None = None):
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        response = get_session().request(method, url, headers={**build_hf_headers(), **(headers or {})},
+                                         params=params, follow_redirects=True, timeout=READ_TIMEOUT_S)
+        if response.status_code == 404:
+            raise FileNotFoundError(url)
+        hf_raise_for_status(response)
+        return response
+
+    def _name(self, path: str) -> str:
+        return path[len(self.base(self.repo_id, self.commit)) + 1:]
+
+    def _url(self, path: str) -> str:
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(self.repo_id, self._name(path), revision=self.commit)
+
+    def ls(self, path: str, detail: bool = True, refresh: bool = True) -> list[dict]:
+        from huggingface_hub import constants
+
+        url = f"{constants.ENDPOINT}/api/models/{self.repo_id}/tree/{self.commit}"
+        found, params = [], {"recursive": "false", "expand": "false"}
+        while url:
+            response = self._get(url, params=params)
+            found += [{"name": f"{path}/{entry['path']}", "type": entry.get("type"), "size": entry.get("size")}
+                      for entry in response.json()  # the top level only, whatever the server sends
+                      if isinstance(entry, dict) and "/" not in str(entry.get("path", "/"))]
+            url, params = response.links.get("next", {}).get("url"), None
+        return found
+
+    def info(self, path: str) -> dict:
+        response = self._get(self._url(path), method="HEAD")
+        size = response.headers.get("X-Linked-Size") or response.headers.get("Content-Length")
+        return {"name": path, "type": "file", "size": int(size or 0)}
+
+    def cat_file(self, path: str, start: int, end: int) -> bytes:
+        return self._get(self._url(path), headers={"Range": f"bytes={start}-{end - 1}"}).content
 
 
 def _offline() -> bool:

@@ -1,9 +1,10 @@
-"""An object store read through fsspec (s3fs for S3, huggingface_hub's `HfFileSystem` for the Hub), as a `Store`.
+"""An object store read through fsspec (s3fs for S3; for the Hub, `reshard.read.hub.HubFiles`), as a `Store`.
 
 Each read is one ranged request of at most `READ_BLOCK` bytes; transient failures (5xx, a reset connection, a
-timeout) are retried `ATTEMPTS` times with backoff, and the error names the URL and the attempts. The back end's own
+timeout) are tried `ATTEMPTS` times with backoff, and the error names the URL and the attempts. The back end's own
 retries are turned down to one try, so the bound is this module's: a server that goes away is an error within a
-minute. `requests` counts what was asked, for the benchmarks and the tests.
+minute. An S3 object is pinned by the ETag its listing gave (`S3Store`: `If-Match` on every read); a Hub file by the
+commit id it is read at. `requests` counts what was asked, for the benchmarks and the tests.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import threading
 import time
 from pathlib import Path, PurePosixPath
 
-from ..errors import CheckpointError
-from .store import READ_BLOCK, LocalStore, RangeFile, Store, check_name
+from ..errors import CheckpointError, SourceChangedError
+from .range_file import RangeFile
+from .store import READ_BLOCK, LocalStore, Store, changed, check_name
 
 ATTEMPTS = 4  # tries of one remote request before it is an error
 BACKOFF_S = 0.5  # the first wait between tries; doubled after each
@@ -36,18 +38,18 @@ def transient(error: BaseException) -> bool:
     return isinstance(error, (OSError, TimeoutError, ConnectionError)) or type(error).__name__ in (
         "TimeoutError", "FSTimeoutError", "ClientPayloadError", "ServerDisconnectedError", "ClientOSError",
         "ClientConnectorError", "ServerTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
-        "ReadTimeoutError", "ConnectionClosedError")
+        "ReadTimeoutError", "ConnectionClosedError", "ConnectError", "ConnectTimeout", "ReadTimeout", "ReadError",
+        "RemoteProtocolError")  # the last five: httpx's, under huggingface_hub
 
 
 class RemoteStore(Store):
     """Files under `base` of an fsspec file system, read in ranged requests.
 
     Args:
-        fs: the file system (`s3fs.S3FileSystem`, `huggingface_hub.HfFileSystem`).
+        fs: the file system (`s3fs.S3FileSystem`, `reshard.read.hub.HubFiles`).
         base: the prefix, in the file system's own spelling (`bucket/prefix`, `org/name@commit`).
         location: the URL messages show (`s3://bucket/prefix`).
-        read_options: passed to `cat_file`: whatever makes it one exact ranged request (HfFileSystem reads through a
-            file object, whose read-ahead cache must be off; s3fs needs none).
+        read_options: passed to `cat_file`: whatever makes it one exact ranged request on this back end.
     """
 
     def __init__(self, fs, base: str, location: str, *, read_options: dict | None = None):
@@ -55,6 +57,7 @@ class RemoteStore(Store):
         self.read_options = read_options or {}  # what makes `cat_file` one exact ranged request on this back end
         self.requests = 0
         self._sizes: dict[str, int] | None = None
+        self._tags: dict[str, str | None] = {}  # each object's ETag when listed: every later read requires it
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -75,7 +78,7 @@ class RemoteStore(Store):
                 self.requests += 1
             try:
                 return call()
-            except FileNotFoundError:
+            except (FileNotFoundError, SourceChangedError):
                 raise
             except Exception as e:  # noqa: BLE001  fsspec back ends raise many unrelated types
                 last = e
@@ -99,7 +102,10 @@ class RemoteStore(Store):
             sizes = {}
             for entry in found:
                 if entry.get("type") == "file":
-                    sizes[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+                    name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+                    sizes[name] = int(entry.get("size") or 0)
+                    if entry.get("ETag"):
+                        self._tags[name] = entry["ETag"]
             self._sizes = sizes
         return self._sizes
 
@@ -112,24 +118,96 @@ class RemoteStore(Store):
         if "/" not in name:
             raise FileNotFoundError(self.url(name))
         info = self._call("a size request", name, lambda: self.fs.info(self._path(name)))
+        if info.get("ETag"):
+            self._tags.setdefault(name, info["ETag"])
         return int(info["size"])
 
     def read(self, name: str, start: int, length: int) -> bytes:
-        if length == 0:
-            return b""
-        path = self._path(name)
-        data = self._call(f"a ranged read of bytes {start}-{start + length - 1}", name,
-                          lambda: self.fs.cat_file(path, start=start, end=start + length, **self.read_options))
-        if len(data) != length:
-            raise CheckpointError(f"{self.url(name)}: asked for {length} bytes at {start}, got {len(data)}: the object "
-                                  "is shorter than its header says (truncated or replaced). Nothing was kept.",
-                                  path=self.url(name))
-        return data
+        out = bytearray(length)
+        self.readinto(name, start, memoryview(out))
+        return bytes(out)
 
     def readinto(self, name: str, start: int, view: memoryview) -> None:
+        """Fill `view` in ranged requests of at most `READ_BLOCK` bytes, each written straight into its part of
+        `view` as the answer arrives (where the back end can; else one copy of its `bytes`)."""
+        view = memoryview(view).cast("B")
+        path = self._path(name)
         for offset in range(0, len(view), READ_BLOCK):
-            n = min(READ_BLOCK, len(view) - offset)
-            view[offset:offset + n] = self.read(name, start + offset, n)
+            part = view[offset:offset + READ_BLOCK]
+            first = start + offset
+            got = self._call(f"a ranged read of bytes {first}-{first + len(part) - 1}", name,
+                             lambda: self._get_into(name, path, first, part))
+            self._check_length(name, first, len(part), got)
+
+    def _check_length(self, name: str, start: int, length: int, got: int) -> None:
+        if got < length:
+            raise CheckpointError(f"{self.url(name)}: asked for {length} bytes at {start}, got {got}: the object "
+                                  "is shorter than its header says (truncated or replaced). Nothing was kept.",
+                                  path=self.url(name))
+        if got > length:
+            raise CheckpointError(f"{self.url(name)}: asked for {length} bytes at {start}, got {got}: the server "
+                                  "sent more than asked (it ignored the Range of the request), so where the bytes "
+                                  "belong is unknown. Use a server that honours ranged GETs. Nothing was kept.",
+                                  path=self.url(name))
+
+    def _get_into(self, name: str, path: str, start: int, view: memoryview) -> int:
+        """Bytes `[start, start + len(view))` of the object at `path` into `view`, in one request; the bytes the
+        answer has (more than `len(view)`: nothing is written)."""
+        data = self.fs.cat_file(path, start=start, end=start + len(view), **self.read_options)
+        if len(data) == len(view):
+            view[:] = data
+        return len(data)
+
+
+class S3Store(RemoteStore):
+    """An S3 prefix: each ranged GET requires the ETag the listing gave (If-Match), so an object overwritten after its
+    header was read answers 412 and the read stops; the answer's own ETag and range are checked too (a server that
+    ignores If-Match or Range)."""
+
+    def _get_into(self, name: str, path: str, start: int, view: memoryview) -> int:
+        from fsspec.asyn import sync
+
+        if name not in self._tags:
+            self.size(name)  # the listing's ETag (or the object's, for a name in a sub-folder)
+            self._tags.setdefault(name, None)  # a server that gives none: nothing to require
+        return sync(self.fs.loop, self._get_object, name, path, start, view)
+
+    async def _get_object(self, name: str, path: str, start: int, view: memoryview) -> int:
+        bucket, key, _ = self.fs.split_path(path)
+        tag = self._tags.get(name)
+        try:
+            answer = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                            Range=f"bytes={start}-{start + len(view) - 1}",
+                                            **({"IfMatch": tag} if tag else {}))
+        except OSError as e:
+            if _precondition_failed(e):
+                raise changed(self.url(name), f"its ETag is no longer {tag}: the object was overwritten") from e
+            raise
+        body = answer["Body"]
+        try:
+            if tag and answer.get("ETag") not in (None, tag):
+                raise changed(self.url(name), f"its ETag went from {tag} to {answer['ETag']}: the object was "
+                                              "overwritten")
+            size = answer.get("ContentLength")
+            if size is not None and size != len(view):
+                return size  # the wrong length (a server that ignored the Range): said before a byte is read
+            done = 0
+            while done < len(view):  # the answer's chunks go straight into their place: no joined `bytes`
+                got = await body.readinto(view[done:])
+                if not got:
+                    break
+                done += got
+            return done
+        finally:
+            body.close()
+
+
+def _precondition_failed(error: BaseException) -> bool:
+    """Whether s3fs's error is the server's 412: the If-Match ETag is no longer the object's."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    response = getattr(cause, "response", None) or {}
+    return (response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+            or response.get("Error", {}).get("Code") == "PreconditionFailed")
 
 
 class CachedHubStore(Store):
@@ -155,7 +233,7 @@ class CachedHubStore(Store):
             store = None
             if isinstance(found, str):
                 snapshot = Path(found).parents[len(PurePosixPath(name).parts) - 1]
-                store = LocalStore(snapshot, link_root=snapshot.parents[1], cache_repo=snapshot.parents[1])
+                store = LocalStore(snapshot, cache_repo=snapshot.parents[1])
             self._local[name] = store
         return self._local[name]
 
@@ -180,6 +258,15 @@ class CachedHubStore(Store):
     def local_path(self, name: str) -> Path | None:
         local = self._cached(name)
         return local.local_path(name) if local is not None else None
+
+    def descriptor(self, name: str) -> int:
+        local = self._cached(name)
+        return local.descriptor(name) if local is not None else self.remote.descriptor(name)
+
+    def check_unchanged(self, name: str) -> None:
+        local = self._cached(name)
+        if local is not None:
+            local.check_unchanged(name)
 
     def open(self, name: str):
         local = self._cached(name)

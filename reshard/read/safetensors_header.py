@@ -160,10 +160,11 @@ def _entry(name: str, info, file: str, data_start: int) -> TensorEntry:
     return TensorEntry(name, file, dtype, shape, data_start + begin)
 
 
-def header_of(store, name: str) -> FileHeader:
+def header_of(store, name: str, *, exact: bool = False) -> FileHeader:
     """Read and validate the header of safetensors file `name` of `store`: at most two requests. Remote, the first
     `HEADER_PROBE` bytes hold the length prefix and almost always the whole header (a longer header takes one more);
-    local, the prefix and then exactly the header, never a byte of data.
+    local, or `exact` (a file whose data is read next in ranges of its own: a rank's file before a load), the prefix
+    and then exactly the header, never a byte of data.
 
     Raises:
         CheckpointError: the file is missing, truncated, not safetensors, or its header is malformed.
@@ -174,7 +175,7 @@ def header_of(store, name: str) -> FileHeader:
         if size < 8:
             raise CheckpointError(f"{name}: the file has {size} bytes, too few for a safetensors header; it is "
                                   "truncated or not a safetensors file.", path=where)
-        head = store.read(name, 0, min(size, HEADER_PROBE if store.remote else 8))  # local: never a byte of data
+        head = store.read(name, 0, min(size, HEADER_PROBE if store.remote and not exact else 8))
         (length,) = struct.unpack("<Q", head[:8])
         if length > MAX_HEADER_BYTES:
             raise CheckpointError(f"{name}: the header length prefix says {length} bytes, over the {MAX_HEADER_BYTES}"

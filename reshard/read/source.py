@@ -7,8 +7,8 @@ SRC (and a folder to load) may be:
 | a local folder or `.safetensors` file | `local` | `LocalStore` (links must stay inside the folder) |
 | a Hugging Face cache snapshot (`models--org--name/snapshots/<rev>`) | `hf-cache` | `LocalStore`, links into the repo's `blobs/` followed |
 | a Hub repo id (`org/name`) | `hub` | downloaded into the cache first, then as a cache snapshot |
-| a Hub repo id with `stream` | `hub-stream` | ranged requests (`HfFileSystem`), files already cached read there |
-| `s3://bucket/prefix` | `s3` | ranged requests (`s3fs`: endpoint and credentials from the AWS environment) |
+| a Hub repo id with `stream` | `hub-stream` | ranged requests at the commit (`HubFiles`), cached files read there |
+| `s3://bucket/prefix` or an object in it | `s3` | ranged requests (`s3fs`: endpoint, credentials from the AWS environment) |
 
 and, whatever the store, the folder is a checkpoint (safetensors, maybe quantized), a reshard folder (`reshard.json`)
 or a folder saved by `save_pretrained(..., distributed_checkpoint=True)` (`shard-*` files). Every rule about sources
@@ -28,7 +28,7 @@ from ..errors import CheckpointError, UsageError
 from ..manifest import MANIFEST_NAME, SHARD_FILE_NAME
 from .checkpoint import CheckpointIndex, checkpoint_index
 from .hub import cache_repo_of, hub_store
-from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, RemoteStore
+from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, S3Store
 from .store import LocalStore, Store
 
 S3_SCHEMES = ("s3://", "s3a://")
@@ -178,7 +178,7 @@ def locate(spec, *, revision: str | None = None, stream: bool = False, data: boo
         if not spec.startswith(S3_SCHEMES):
             raise UsageError(f"{spec}: reshard reads local folders and files, Hugging Face cache snapshots, Hub repo "
                              "ids (org/name) and s3://bucket/prefix URLs; not this scheme. Nothing was read.")
-        return _located(spec, Where.S3, _s3_store(spec))
+        return _s3_object(spec) or _located(spec, Where.S3, _s3_store(spec))
     path = Path(spec)
     if path.exists():
         return _local(spec, path, outside_links)
@@ -197,7 +197,7 @@ def _local(spec: str, path: Path, outside_links: bool = False) -> Location:
         return Location(spec, Where.LOCAL, Kind.CHECKPOINT, LocalStore(path.parent), single_file=path.name)
     repo = cache_repo_of(path)
     if repo is not None:
-        return _located(spec, Where.HF_CACHE, LocalStore(path, link_root=repo, cache_repo=repo))
+        return _located(spec, Where.HF_CACHE, LocalStore(path, cache_repo=repo))
     return _located(spec, Where.LOCAL, LocalStore(path, links_anywhere=outside_links))
 
 
@@ -221,28 +221,50 @@ def _located(spec: str, where: Where, store: Store, revision: str | None = None)
 
 # ---- remote stores --------------------------------------------------------------------------------------------------
 
-def _s3_store(url: str) -> RemoteStore:
+def s3_endpoint() -> str | None:
+    """The S3 endpoint of the standard AWS environment (None: AWS's own)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def s3_filesystem(s3fs):
+    """An `s3fs.S3FileSystem` for the standard AWS environment, with one try per request: reshard retries each
+    request itself, bounded (`reshard.read.remote.ATTEMPTS`), where s3fs's and botocore's own nested retries would
+    multiply into minutes; the instance is fresh, so the environment of this call decides."""
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint(), skip_instance_cache=True, config_kwargs={
+        "connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S, "retries": {"total_max_attempts": 1}})
+    fs.retries = 1
+    return fs
+
+
+def _s3_store(url: str) -> S3Store:
     """The prefix of `url` on S3, with the endpoint and credentials of the standard AWS environment."""
     try:
         import s3fs
     except ImportError as e:
-        raise UsageError(f"{url}: reading s3:// needs the s3 extra: `pip install 'reshard[s3]'` (s3fs). Nothing was "
+        raise UsageError(f"{url}: reading s3:// needs the s3 extra: `pip install -e '.[s3]'` (s3fs). Nothing was "
                          "read.") from e
     base = url.split("://", 1)[1].strip("/")
     if not base or "/" not in base and len(base) < 3:
         raise UsageError(f"{url}: not an s3://bucket/prefix URL. Nothing was read.")
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    # reshard retries each request itself, bounded (`reshard.read.remote.ATTEMPTS`): s3fs's and botocore's own
-    # nested retries would multiply into minutes; the instance is fresh, so the environment of this call decides
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True, config_kwargs={
-        "connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S, "retries": {"total_max_attempts": 1}})
-    fs.retries = 1
-    store = RemoteStore(fs, base, f"s3://{base}")
+    store = S3Store(s3_filesystem(s3fs), base, f"s3://{base}")
     if not store.names():
         raise CheckpointError(f"{url}: no objects under this prefix (or the bucket cannot be listed at "
-                              f"{endpoint or 'the default AWS endpoint'}). Check the URL, AWS_ENDPOINT_URL_S3 / "
+                              f"{s3_endpoint() or 'the default AWS endpoint'}). Check the URL, AWS_ENDPOINT_URL_S3 / "
                               "AWS_ENDPOINT_URL and the credentials. Nothing was read.", path=url)
     return store
+
+
+def _s3_object(url: str) -> Location | None:
+    """`s3://bucket/prefix/x.safetensors` naming an object: a one-file source, as a local `.safetensors` file is (its
+    prefix serves the config); None when the URL names no such object (a prefix, read as one)."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name.endswith(".safetensors") or parent.endswith(":/"):
+        return None
+    try:
+        store = _s3_store(parent)
+    except CheckpointError:
+        return None
+    return Location(url, Where.S3, Kind.CHECKPOINT, store, single_file=name) if name in store.names() else None
 
 
 def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> Location:

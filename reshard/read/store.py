@@ -13,6 +13,7 @@ a byte range, so a local folder, a Hugging Face cache snapshot, the Hub and S3 d
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from abc import ABC, abstractmethod
@@ -20,7 +21,7 @@ import threading
 import weakref
 from pathlib import Path, PurePosixPath
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SourceChangedError
 
 READ_BLOCK = 32 << 20  # the largest ranged request: bounds the memory a remote read holds
 HEADER_PROBE = 64 << 10  # a header's first request: the length prefix and, almost always, the whole header
@@ -66,8 +67,21 @@ class Store(ABC):
         """The local file behind `name` (checked as `read` checks it), or None when it is not on this machine."""
         return None
 
+    def descriptor(self, name: str) -> int:
+        """A new descriptor (the caller closes it) of local file `name`: the file its header was read from."""
+        path = self.local_path(name)
+        if path is None:
+            raise CheckpointError(f"{self.url(name)} is not on this machine.", path=self.url(name))
+        return os.open(path, os.O_RDONLY)
+
+    def check_unchanged(self, name: str) -> None:
+        """Raise `SourceChangedError` when `name` is no longer the file first read (a local file written or replaced
+        since); an object store checks each read instead."""
+
     def open(self, name: str):
         """A file object for sequential reads of `name` (`readinto`, `seek`, `tell`, `close`)."""
+        from .range_file import RangeFile
+
         return RangeFile(self, name)
 
     def read_all(self, name: str, limit: int, what: str) -> bytes:
@@ -122,10 +136,40 @@ def refuse_irregular(path: Path, name: str, mode: int) -> None:
         raise error
 
 
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What makes a file the same file: device, inode, size and modification time (ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def changed(where: str, what: str) -> SourceChangedError:
+    return SourceChangedError(f"{where}: the source changed while it was read ({what}). Run the command again once "
+                              "nothing writes to the source. Nothing was kept.", path=where)
+
+
+def resolved(path: Path, name: str) -> Path:
+    """`path` with every link followed; a link that loops is refused by name (not a RuntimeError traceback)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # "Symlink loop from ..." (Python <= 3.12), ELOOP (3.13)
+        raise CheckpointError(f"{name}: a link that loops ({path} leads back to itself); "
+                              "reshard reads only links that end at a regular file. Replace it with the file it "
+                              "should be. Nothing was read or changed.", path=str(path)) from None
+
+
+def stat_of(path: Path, name: str) -> os.stat_result:
+    """`os.stat(path)`; a link that loops is refused by name."""
+    try:
+        return os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            resolved(path, name)  # raises the refusal, naming the loop
+        raise
+
+
 def open_regular(path: Path, name: str):
     """Open `path` (`name` in messages) for reading, unbuffered, only if it is a regular file; the open cannot block
     (O_NONBLOCK, then fstat refuses a FIFO swapped in after the check)."""
-    refuse_irregular(path, name, os.stat(path).st_mode)
+    refuse_irregular(path, name, stat_of(path, name).st_mode)
 
     def opener(file, flags: int) -> int:
         fd = os.open(file, flags | os.O_NONBLOCK)
@@ -145,11 +189,12 @@ class LocalStore(Store):
 
     Args:
         root: the folder.
-        link_root: a link must resolve inside this folder (default: `root`).
+        link_root: a link must resolve inside `root` or inside this folder (default: `root`; for a cache snapshot its
+            repo's `blobs/`, never its `refs/`).
         links_anywhere: follow links wherever they point (a folder the user assembled, such as a node's staged copy
             of a reshard folder, whose manifest says what each file must hold); the target must still be a regular
             file, and the files a write copies as they are must still be inside (`check_inside`).
-        cache_repo: for a Hugging Face cache snapshot, the repo's cache folder, named in messages.
+        cache_repo: for a Hugging Face cache snapshot, the repo's cache folder: links are followed into its `blobs/`.
     """
 
     def __init__(self, root: Path, *, link_root: Path | None = None, links_anywhere: bool = False,
@@ -157,10 +202,13 @@ class LocalStore(Store):
         self.root = Path(root)
         self.location = str(self.root)
         self.remote = False
-        self.link_root = Path(link_root or root)
+        self.link_root = Path(link_root or (Path(cache_repo) / "blobs" if cache_repo is not None else root))
         self.links_anywhere = links_anywhere
         self.cache_repo = cache_repo
         self._inside: set[str] = set()  # names whose links were checked
+        # each file's identity when first seen (its header read): every later open, in this process or a worker,
+        # and the engine after each output file, compare with it (`check_unchanged`); travels with the store
+        self._seen: dict[str, tuple[int, int, int, int]] = {}
         self._hold_descriptors()
 
     def _hold_descriptors(self) -> None:
@@ -195,10 +243,8 @@ class LocalStore(Store):
             self._inside.add(name)
 
     def _check_link(self, path: Path, name: str) -> None:
-        target = path.resolve()
-        try:
-            target.relative_to(self.link_root.resolve())
-        except ValueError:
+        target = resolved(path, name)
+        if not any(target.is_relative_to(folder.resolve()) for folder in (self.root, self.link_root)):
             if self.cache_repo is not None:
                 accepted = (f"in a Hugging Face cache snapshot, links are followed into {self.cache_repo / 'blobs'} "
                             "(the cache's own layout) only")
@@ -215,13 +261,34 @@ class LocalStore(Store):
 
     def size(self, name: str) -> int:
         path = self.path(name)
-        mode = os.stat(path)
+        mode = stat_of(path, name)
         refuse_irregular(path, name, mode.st_mode)
+        self._seen.setdefault(name, identity(mode))  # the file a header read then opens must be this one
         return mode.st_size
+
+    def _pin(self, name: str, st: os.stat_result) -> None:
+        """Remember `name`'s identity when first seen; refuse another file under its name later."""
+        seen = self._seen.setdefault(name, identity(st))
+        if seen != identity(st):
+            raise changed(self.url(name), _difference(seen, identity(st)))
+
+    def check_unchanged(self, name: str) -> None:
+        seen = self._seen.get(name)
+        if seen is None:
+            return
+        fd = self._fds.get(name)
+        try:
+            now = identity(os.fstat(fd) if fd is not None else os.stat(self.root / name))
+            at_path = identity(os.stat(self.root / name))
+        except FileNotFoundError:
+            raise changed(self.url(name), "it was removed") from None
+        for found in (now, at_path):
+            if found != seen:
+                raise changed(self.url(name), _difference(seen, found))
 
     def local_path(self, name: str) -> Path | None:
         path = self.path(name)
-        refuse_irregular(path, name, os.stat(path).st_mode)
+        refuse_irregular(path, name, stat_of(path, name).st_mode)
         return path
 
     def _fd(self, name: str) -> int:
@@ -229,8 +296,12 @@ class LocalStore(Store):
             fd = self._fds.get(name)
             if fd is None:
                 with open_regular(self.path(name), name) as f:
+                    self._pin(name, os.fstat(f.fileno()))
                     fd = self._fds[name] = os.dup(f.fileno())
             return fd
+
+    def descriptor(self, name: str) -> int:
+        return os.dup(self._fd(name))
 
     def readinto(self, name: str, start: int, view: memoryview) -> None:
         fd, done = self._fd(name), 0
@@ -243,77 +314,31 @@ class LocalStore(Store):
             done += got
 
     def open(self, name: str):
-        return open_regular(self.path(name), name)
+        f = open_regular(self.path(name), name)
+        try:
+            self._pin(name, os.fstat(f.fileno()))
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def close(self) -> None:
         with self._lock:
             _close_all(self._fds)
 
 
+def _difference(seen: tuple, found: tuple) -> str:
+    if seen[:2] != found[:2]:
+        return "another file now has its name: replaced, as by `mv` or a new download"
+    if seen[2] != found[2]:
+        return f"its size went from {seen[2]} to {found[2]} bytes"
+    return "it was written to since its header was read"
+
+
 def _close_all(fds: dict[str, int]) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()
-
-
-# ---- sequential reads in large ranges ----------------------------------------------------------------------------
-
-class RangeFile:
-    """A remote file read front to back, one ranged request per `READ_BLOCK` (a rank reading its own file: a few
-    large requests, not one per tensor); `seek` past the buffer starts a new range there. Holds one block."""
-
-    def __init__(self, store: Store, name: str, *, block: int = READ_BLOCK):
-        self.store, self.name, self.block = store, name, block
-        self.size = store.size(name)
-        self._pos = 0
-        self._start = 0
-        self._data = b""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self) -> None:
-        self._data = b""
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self.size + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, view) -> int:
-        view = memoryview(view).cast("B")
-        if self._pos >= self.size or not len(view):
-            return 0
-        offset = self._pos - self._start
-        if not 0 <= offset < len(self._data):
-            if len(view) >= self.block:  # a large read goes straight into the caller's memory
-                n = min(len(view), self.size - self._pos) // self.block * self.block or len(view)
-                n = min(n, self.size - self._pos)
-                self.store.readinto(self.name, self._pos, view[:n])
-                self._pos += n
-                return n
-            self._start, offset = self._pos, 0
-            self._data = self.store.read(self.name, self._pos, min(self.block, self.size - self._pos))
-        n = min(len(view), len(self._data) - offset)
-        view[:n] = self._data[offset:offset + n]
-        self._pos += n
-        return n
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.size - self._pos if n < 0 else min(n, self.size - self._pos)
-        out = bytearray(max(n, 0))
-        view, done = memoryview(out), 0
-        while done < len(out):
-            got = self.readinto(view[done:])
-            if not got:
-                break
-            done += got
-        return bytes(out[:done])
 
 
 class JoinedStore(Store):
@@ -356,6 +381,14 @@ class JoinedStore(Store):
     def local_path(self, name: str) -> Path | None:
         store, name = self._route(name)
         return store.local_path(name)
+
+    def descriptor(self, name: str) -> int:
+        store, name = self._route(name)
+        return store.descriptor(name)
+
+    def check_unchanged(self, name: str) -> None:
+        store, name = self._route(name)
+        store.check_unchanged(name)
 
     def check_inside(self, name: str) -> None:
         store, name = self._route(name)

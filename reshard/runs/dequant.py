@@ -112,8 +112,8 @@ class Dequantizer:
         buffer `scratch` when given (valid until the next read into it)."""
         out = np.empty(count, dtype=np.uint8) if scratch is None else self._scratch(scratch, (count,), np.uint8)
         if entry.file not in self.fds:
-            path = self.index.store.local_path(entry.file)
-            self.fds[entry.file] = None if path is None else os.open(path, os.O_RDONLY)
+            local = self.index.store.local_path(entry.file) is not None  # the file its header was read from
+            self.fds[entry.file] = self.index.store.descriptor(entry.file) if local else None
         if self.fds[entry.file] is None:  # a remote source: one ranged request per slab's rows
             self.index.store.readinto(entry.file, entry.data_start + first, memoryview(out))
             return out

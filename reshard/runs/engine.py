@@ -74,6 +74,7 @@ class Engine:
         self.source_crcs = SourceCrcs(index) if source_crcs is None else source_crcs
         self.crc_buffer: bytearray | None = None
         self.ring: BlockRing | None = None  # made for the first large file
+        self.fetch_buffers: list[bytearray] = []  # a remote source's ranges land here (`fetch.fill_fetched`)
         self.planned_bytes = planned_bytes
         self.cached_job: bool | None = None  # decided at the first large file (`_cached`)
         self.segments_lock = threading.Lock()  # the writer threads of direct outputs keep source ranges' CRC-32s
@@ -85,7 +86,22 @@ class Engine:
 
         Returns:
             The CRC-32 of the whole file (None without `checksum`).
+
+        Raises:
+            SourceChangedError: a source file read was written to or replaced since its header was read.
         """
+        crc = self._fill(out_fd, header, boxes, checksum)
+        self._check_sources()
+        return crc
+
+    def _check_sources(self) -> None:
+        """The local source files read are still the files their headers came from: their bytes were read through
+        descriptors of those files, and nothing wrote to them or put another file at their paths meanwhile."""
+        read = set(self.sources) | (set(self.dequantizer.fds) if self.dequantizer is not None else set())
+        for file in sorted(read):
+            self.index.store.check_unchanged(file)
+
+    def _fill(self, out_fd: int, header: bytes, boxes: list, checksum: bool) -> int | None:
         dequantizer = self.dequantizer
         if dequantizer is not None and any(dequantizer.computes(tensor) for _, tensor, _ in boxes):
             return self._fill_computed(out_fd, header, boxes)
@@ -135,8 +151,9 @@ class Engine:
         return self.local[file]
 
     def _fd(self, file: str) -> int:
+        """The file's descriptor from the store: the file whose header was read, never a file put at its path since."""
         if file not in self.sources:
-            self.sources[file] = os.open(self.index.path_of(file), os.O_RDONLY)
+            self.sources[file] = self.index.store.descriptor(file)
         return self.sources[file]
 
     def _crc_later(self, header: bytes, runs: list[Run]) -> Future:

@@ -3,10 +3,10 @@
 A run is a stretch contiguous in the source and in the output (`reshard.runs.byte_runs`); an output file of a
 remote source may need thousands, one per expert row block. Sorted by source offset, the runs of one file that lie
 close together (gaps of at most `GAP` bytes and a quarter of the bytes the request serves, or of `MIN_GAP`) are
-fetched in one request of at most `READ_BLOCK` bytes, `PREFETCH` at once, and written where each belongs. Memory
-holds the requests in flight, never a tensor. The output CRC-32 is combined from each run's own CRC-32 in output
-order (`crc32_combine`), since the runs arrive in source order; the same CRC-32s are the ranges a reshard folder's
-files are checked with (`reshard.runs.source_check`).
+fetched in one request of at most `RANGE` bytes, `DEPTH` in flight while one is written, each read into a buffer
+kept for the next, and written where it belongs. Memory holds `DEPTH + 1` ranges, never a tensor. The output
+CRC-32 is combined from each run's own CRC-32 in output order (`crc32_combine`), since the runs arrive in source
+order; the same CRC-32s are the ranges a reshard folder's files are checked with (`reshard.runs.source_check`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..read.store import READ_BLOCK
+from ..read.range_file import DEPTH, RANGE
 from ..syscalls import Writeback
 from .byte_runs import Run
 from .crc import crc32_combine
 
 GAP = 1 << 20  # bytes of a gap read and dropped rather than paid as another request (a request costs ~ms)
 MIN_GAP = 64 << 10  # a gap this small is always read: next to a request's latency its bytes cost nothing
-PREFETCH = 4  # requests in flight: S3 serves parallel streams faster than one
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Span:
     runs: tuple[Run, ...]
 
 
-def spans(runs: list[Run], *, gap: int = GAP, block: int = READ_BLOCK) -> list[Span]:
+def spans(runs: list[Run], *, gap: int = GAP, block: int = RANGE) -> list[Span]:
     """The requests that serve `runs`: per file, in source order, neighbours joined across a gap of at most `gap`
     bytes and a quarter of the bytes served so far, while the request stays within `block` bytes; a run longer than
     `block` is served in pieces of `block` bytes."""
@@ -67,41 +66,68 @@ def _span(runs: list[Run]) -> Span:
 
 def fill_fetched(engine, out_fd: int, header: bytes, runs: list[Run]) -> int:
     """Write `header` and the bytes of `runs` into `out_fd`, fetched through the engine's store; the file's CRC-32.
-    Each run's CRC-32 is recorded for a checked source file (`engine.source_crcs`)."""
+    Each run's CRC-32 is recorded for a checked source file (`engine.source_crcs`).
+
+    While one request's bytes are written, the next `DEPTH` are in flight, each read straight into a buffer of its
+    own (`Store.readinto`); the buffers, `DEPTH + 1` of at most `RANGE` bytes, are the engine's, kept from file to
+    file (their pages fault in once). A failure cancels the requests not started and waits for the others: nothing
+    is left running."""
     store, crcs = engine.index.store, {}
     _pwrite_all(out_fd, header, 0)
-    requests = spans(runs)
+    requests = spans(runs, block=RANGE)
+    slots = min(len(requests), DEPTH + 1)
+    buffers = [_buffer(engine, slot, max(r.length for r in requests[slot::slots])) for slot in range(slots)]
     writeback = Writeback(out_fd)
-    with ThreadPoolExecutor(max_workers=PREFETCH, thread_name_prefix="reshard-fetch") as pool:
-        pending = [pool.submit(store.read, span.file, span.start, span.length) for span in requests[:PREFETCH]]
+    pool = ThreadPoolExecutor(max_workers=DEPTH, thread_name_prefix="reshard-fetch")
+
+    def fetch(i: int):
+        span = requests[i]
+        view = buffers[i % slots][:span.length]
+        return pool.submit(store.readinto, span.file, span.start, view)
+
+    try:
+        pending = [fetch(i) for i in range(min(DEPTH, len(requests)))]
         for i, span in enumerate(requests):
-            data = memoryview(pending[i].result())
-            pending[i] = None  # the request's bytes are freed once written
-            if i + PREFETCH < len(requests):
-                nxt = requests[i + PREFETCH]
-                pending.append(pool.submit(store.read, nxt.file, nxt.start, nxt.length))
+            pending[i].result()
+            pending[i] = None
+            if i + DEPTH < len(requests):  # into the buffer of request i - 1, written already
+                pending.append(fetch(i + DEPTH))
+            data = buffers[i % slots]
             for run in span.runs:
                 piece = data[run.src - span.start:run.src - span.start + run.nbytes]
                 _pwrite_all(out_fd, piece, run.dst)
                 writeback.wrote(run.nbytes)
                 crcs[run.dst] = (zlib.crc32(piece), run.nbytes)
-                _remember(engine.source_crcs.segments(run.file), run, piece)
+                _remember(engine.source_crcs.segments(run.file), run, piece, crcs[run.dst][0])
                 if engine.progress is not None:
                     engine.progress.update(run.nbytes)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     crc = zlib.crc32(header)
     for dst in sorted(crcs):  # the runs tile the file's data: combined in file order
         crc = crc32_combine(crc, *crcs[dst])
     return crc
 
 
-def _remember(known, run: Run, piece) -> None:
+def _buffer(engine, slot: int, nbytes: int) -> memoryview:
+    """The engine's fetch buffer `slot`, of at least `nbytes`."""
+    buffers = engine.fetch_buffers
+    while len(buffers) <= slot:
+        buffers.append(bytearray(0))
+    if len(buffers[slot]) < nbytes:
+        buffers[slot] = bytearray(nbytes)
+    return memoryview(buffers[slot])
+
+
+def _remember(known, run: Run, piece, crc: int) -> None:
     """Record the CRC-32 of the ranges of `run` a checked source file has not had yet (a range read again, a
-    replicated tensor in several files, is kept once)."""
+    replicated tensor in several files, is kept once); `crc` is the whole run's."""
     if known is None:
         return
     for start, end, seen in known.split(run.src, run.src + run.nbytes):
         if not seen:
-            known.add(start, end, zlib.crc32(piece[start - run.src:end - run.src]))
+            whole = start == run.src and end == run.src + run.nbytes
+            known.add(start, end, crc if whole else zlib.crc32(piece[start - run.src:end - run.src]))
 
 
 def _pwrite_all(fd: int, data, position: int) -> None:

@@ -1,8 +1,8 @@
-"""Write: the files, atomically (one process, worker processes, or a torchrun job), and `merge` back to the
-Hugging Face layout.
+"""Write: the files, atomically (one process, worker processes, or a torchrun job; into a folder, or a bucket prefix
+from one process), and `merge` back to the Hugging Face layout.
 
 Its modules are what it exports (`__all__`); their names are used through them, e.g. `reshard.write.distributed`.
 """
 
-__all__ = ["distributed", "durable", "files", "lock", "merge", "output", "peers", "ranks", "runner", "shards",
-           "staged", "workers"]
+__all__ = ["bucket", "distributed", "durable", "files", "lock", "merge", "nodes", "output", "peers", "ranks", "runner",
+           "shards", "staged", "workers"]

@@ -17,72 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import OutputError, ReshardError, UsageError
-from ..launch import gloo_group, launcher_world_size
+from ..errors import OutputError, ReshardError
+from ..launch import gloo_group
 from ..plan.ranks import RankSpans
 from ..runs.source_check import SourceCrcs
 from ..signals import sigterm_as_interrupt
-from .output import in_unit_order, progress_bar
+from .output import NodeCopy, NodeOutcome, in_unit_order, progress_bar
+from .nodes import Nodes, node_key
 from .ranks import POLL_S, STALE_S, Agreed, Ranks, Stopped, StoreProgress, agreed
 from .staged import output_error, remove_temporary
 from .workers import assign_shares
-
-
-def use_distributed(distributed: bool | None, workers: int | None, command: str) -> bool:
-    """Whether a `command` runs as one rank of a distributed job: `distributed`, or, when None, what the launcher's
-    environment says (`RANK`, `LOCAL_RANK`, `WORLD_SIZE` > 1).
-
-    Raises:
-        UsageError: `workers` above 1 in a distributed run (every rank writes its share there).
-    """
-    if distributed is None:
-        distributed = (launcher_world_size() or 1) > 1
-    if distributed and workers not in (None, 1):
-        raise UsageError(f"--workers {workers} is for a {command} on one machine; in a torchrun {command} every rank "
-                         "writes its share (for more writers per node, raise --nproc-per-node). Nothing was written.")
-    return bool(distributed)
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """The job's ranks by node, nodes numbered in the order of their lowest rank.
-
-    Attributes:
-        ranks: each node's global ranks, ascending.
-        hosts: each node's host name, for messages.
-    """
-
-    ranks: tuple[tuple[int, ...], ...]
-    hosts: tuple[str, ...]
-
-    @classmethod
-    def from_views(cls, views: list[tuple[str, str]]) -> "Nodes":
-        """From every rank's `(node key, host)`, in rank order."""
-        keys: dict[str, list[int]] = {}
-        for rank, (key, _) in enumerate(views):
-            keys.setdefault(key, []).append(rank)
-        groups = sorted(keys.values())
-        return cls(tuple(tuple(g) for g in groups), tuple(views[g[0]][1] for g in groups))
-
-    def of(self, rank: int) -> int:
-        return next(n for n, ranks in enumerate(self.ranks) if rank in ranks)
-
-    def name(self, node: int) -> str:
-        return f"node {node} ({self.hosts[node]}, ranks {RankSpans.of(self.ranks[node])})"
-
-
-def node_key() -> tuple[str, str]:
-    """This process's `(node key, host)`: torchrun's agent number (`GROUP_RANK`) tells simulated or same-named
-    nodes apart; without it, the host name."""
-    host = socket.gethostname()
-    group = os.environ.get("GROUP_RANK")
-    return (f"agent {group}" if group is not None else f"host {host}"), host
 
 
 def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool | None = None,
@@ -105,7 +53,8 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
             read. A path no node has is not listed (a Hub repo id): every node then reads SRC as it is.
 
     Returns:
-        What the job's `finish` returns on rank 0 (a write's manifest), None on the other ranks.
+        What the job's `finish` returns on rank 0 (a write's manifest), None on the other ranks; `node_local`, a
+        `NodeOutcome` on the first rank of each node (its copy; on node 0 every node's too), None on the others.
 
     Raises:
         ReshardError: on every rank together, naming the failing ranks and their causes (a failure that is the same
@@ -115,8 +64,8 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
     with sigterm_as_interrupt():
         group, _ = gloo_group(command)
         with Ranks(group) as ranks:
-            return _Rank(ranks, Path(out).resolve(), overwrite, progress, node_local, gather_from,
-                         list_from).run(read_job)
+            out = out if "://" in os.fspath(out) else Path(out).resolve()  # a bucket prefix, or a folder
+            return _Rank(ranks, out, overwrite, progress, node_local, gather_from, list_from).run(read_job)
 
 
 class _Rank:
@@ -133,11 +82,14 @@ class _Rank:
         self.peers = self.store = None  # gathering from every node: the requests, and the joined folder
         self.lock = contextlib.ExitStack()
         self.stage = None  # the claimed OUT, on the rank that leads the team
-        self.tmp: Path | None = None
+        self.tmp: Path | None = None  # the team's temporary folder; None for a bucket: each rank spools its own
+        self.uploads = None  # into a bucket: this rank's uploads (`reshard.write.bucket.Uploads`)
+        self.records = None  # and, off rank 0, what they left open for rank 0 to complete
         self.total = 0  # the bytes the output needs, for a full disk's message
         self.handed_over = self.agreed = False
         self.nodes: Nodes | None = None
         self.team: tuple[int, ...] = ()
+        self.held: NodeCopy | None = None  # gathering: this node's copy, on its first rank
 
     @property
     def leads(self) -> bool:
@@ -153,7 +105,8 @@ class _Rank:
             if self.node_local:
                 return self._finish_nodes(job, entries, source_crcs)
             if ranks.rank != 0:
-                return self._wait_for_outcome()
+                self._wait_for_outcome()
+                return self._served()
             return self._finish(job, entries, source_crcs)
         except BaseException as e:
             self._clean_up(e)
@@ -188,6 +141,8 @@ class _Rank:
             local = listing.open_store()
             if ranks.rank == self.nodes.ranks[node][0]:
                 found = survey(local)
+                shards = [entry[0] for name, entry in found.items() if name.endswith(".safetensors")]
+                self.held = NodeCopy(self.nodes.name(node), len(shards), sum(shards), 0)
         except (OSError, ReshardError) as e:
             problem = f"{self.nodes.name(node)}: cannot list {listing.spec} ({e})"
         views = ranks.exchange("survey", (problem, found))
@@ -195,7 +150,7 @@ class _Rank:
             self.agreed = True
             raise failure
         try:
-            files = catalog([f for _, f in views], listing.spec)
+            files = catalog([f for _, f in views], listing.spec, self.nodes.name)
         except ReshardError:
             self.agreed = True  # the same listings on every rank: the same error
             raise
@@ -228,7 +183,7 @@ class _Rank:
         if ranks.rank not in self.team:
             return None, None
         start = views[self.team[0]][2]
-        self.tmp, self.total = Path(start["tmp"]), start["total"]
+        self.tmp, self.total = start["tmp"] and Path(start["tmp"]), start["total"]
         if ranks.rank == 0:
             ranks.bar = progress_bar(sum(v[2]["bytes"] for v in views if v[3]), self.progress, job.command)
         return job, start
@@ -252,10 +207,9 @@ class _Rank:
         self.out = self.stage.out
         self.lock.enter_context(self.stage.locked())
         self.stage.claim(job.needed_bytes())
-        self.stage.tmp.mkdir()
-        self.tmp = self.stage.tmp
-        return {"tmp": str(self.tmp), "host": self.ranks.host, "total": self.stage.total, "sizes": job.unit_sizes,
-                "bytes": sum(job.unit_sizes[u] for u in job.units)}
+        self.tmp = self.stage.open_shared()
+        return {"tmp": self.tmp and str(self.tmp), "host": self.ranks.host, "total": self.stage.total,
+                "sizes": job.unit_sizes, "bytes": sum(job.unit_sizes[u] for u in job.units)}
 
     def _agree_to_start(self, views: list, local_error: BaseException | None) -> None:
         problems = [p for p, _, _, _ in views]
@@ -299,13 +253,16 @@ class _Rank:
         share = assign_shares(start["sizes"], len(self.team), job.units)[self.team.index(ranks.rank)]
         pairs, result, source_crcs = [], None, SourceCrcs(job.index)
         try:
-            if not self.tmp.is_dir():
-                raise OutputError(f"{self.tmp}, created by rank 0 on {start['host']}, is not visible on {ranks.host}: "
-                                  "OUT must be on a file system every node shares, at the same path (or pass "
-                                  "--node-local to give each node its own copy)")
-            counter = StoreProgress(ranks)
-            pairs = job.write_units(self.tmp, share, progress=counter, fsync=True, source_crcs=source_crcs)
-            counter.flush()
+            if self.tmp is None:  # into a bucket: this rank sends the files it writes
+                pairs = self._upload_share(job, share, source_crcs)
+            else:
+                if not self.tmp.is_dir():
+                    raise OutputError(f"{self.tmp}, created by rank 0 on {start['host']}, is not visible on "
+                                      f"{ranks.host}: OUT must be on a file system every node shares, at the same path "
+                                      "(or pass --node-local to give each node its own copy)")
+                counter = StoreProgress(ranks)
+                pairs = job.write_units(self.tmp, share, progress=counter, fsync=True, source_crcs=source_crcs)
+                counter.flush()
         except Stopped:
             result = None  # another rank failed and says why
         except Exception as e:  # noqa: BLE001
@@ -315,6 +272,20 @@ class _Rank:
             if self.peers is not None:
                 self.peers.done()
         return self._gather_entries(job, pairs, result, source_crcs)
+
+    def _upload_share(self, job, share, source_crcs) -> list:
+        """Write this rank's share into a spool folder of its own, each file sent once whole, its uploads left open
+        for rank 0 to complete (rank 0's own are its output's already); the pairs."""
+        from .bucket import Bucket, Uploads
+
+        self.uploads = self.stage.uploads if self.stage is not None else Uploads(Bucket(str(self.out)))
+        counter = StoreProgress(self.ranks)
+        with self.uploads.spooling() as spool:
+            pairs = job.write_units(spool, share, progress=counter, source_crcs=source_crcs)
+            records = self.uploads.wait()  # every file sent before the spool goes
+        counter.flush()
+        self.records = records if self.stage is None else None
+        return pairs
 
     def _serve(self) -> tuple[list[dict], None]:
         """A rank off node 0 while node 0's ranks gather: serve this node's files until they are done."""
@@ -340,7 +311,7 @@ class _Rank:
         if ranks.stop.is_set():  # a rank asked to stop but reported no failure: never rename a partial folder
             self.agreed = True
             raise Agreed("the write was stopped on some rank; nothing was kept.")
-        mine = (pairs, source_crcs.report() if source_crcs is not None else {})
+        mine = (pairs, source_crcs.report() if source_crcs is not None else {}, self.records)
         if self.node_local:  # every leader needs its own node's entries: each rank's go to every rank, then filtered
             gathered = [view for r, view in enumerate(ranks.exchange("entries", mine)) if r in self.team]
             if not self.leads:
@@ -348,9 +319,11 @@ class _Rank:
         elif (gathered := ranks.gather_to_0(mine)) is None:
             return [], None
         checker = SourceCrcs(job.index)  # every writer's ranges, this one's among them: the leader checks once
-        for _, report in gathered:
+        for _, report, records in gathered:
             checker.add_report(report)
-        return in_unit_order([pair for share, _ in gathered for pair in share]), checker
+            if records:
+                self.stage.adopt(records)  # the other ranks' uploads, completed (or aborted) here
+        return in_unit_order([pair for share, _, _ in gathered for pair in share]), checker
 
     def _share_failure(self, e: Exception) -> str:
         host = self.ranks.host
@@ -363,8 +336,16 @@ class _Rank:
 
     # ---- 3. shared: rank 0 completes the folder and swaps it in; the others wait for its outcome -----------------
 
+    def _served(self) -> NodeOutcome | None:
+        """Gathering: the first rank of each node but node 0 says what its node gave (node 0 says what it wrote)."""
+        if self.gather_from is None or self.held is None or self.nodes.of(self.ranks.rank) == 0:
+            return None
+        return NodeOutcome(None, self.held)
+
     def _wait_for_outcome(self) -> None:
         ranks = self.ranks
+        if self.peers is not None:
+            self._serve_the_finish()
         outcome = ranks.wait_for("outcome")
         ranks.store.add(ranks.key("acknowledged"), 1)
         if outcome:
@@ -372,22 +353,42 @@ class _Rank:
             raise Agreed(f"rank 0 could not complete {self.out}: {outcome}")
         return None
 
+    def _serve_the_finish(self) -> None:
+        """Gathering from every node: the other nodes serve their files once more, until rank 0 has finished and
+        checked the source files' CRC-32s (a check reads the bytes no writer read, some on another node); node 0's
+        other ranks say at once that they need nothing more."""
+        if self.ranks.rank in self.team:
+            self.peers.done()
+            return
+        try:
+            self.peers.serve(self.store.files)  # a file it cannot read: announced, and rank 0's outcome says why
+        except Stopped:
+            pass
+
     def _finish(self, job, entries: list[dict], source_crcs: SourceCrcs):
         ranks = self.ranks
-        ranks.watch_peers = False  # the others now only wait for the outcome, then leave
         self._show_all_bytes()
         try:
-            # rank 0 writes the rest (a write's extras files, the manifest)
-            result = job.finish(self.tmp, entries, self.out, source_crcs)
-            source_crcs.check()  # a damaged source file is refused before the output is put in place
-            self.stage.complete()
+            with self.stage.finishing() as tmp:
+                try:
+                    # rank 0 writes the rest (a write's extras files, the manifest)
+                    result = job.finish(tmp, entries, self.out, source_crcs)
+                    source_crcs.check()  # a damaged source file is refused before the output is put in place
+                except Stopped:  # a node serving the check could not read a file, and says why
+                    raise Agreed(ranks.wait_for("stop")) from None
+                finally:
+                    if self.peers is not None:
+                        self.peers.done()  # the other nodes stop serving only now: the check may read their bytes
+                self.stage.complete()
         except BaseException as e:
-            self.stage.discard(interrupted=e)
+            ranks.watch_peers = False  # the others now only wait for the outcome, then leave
+            self.stage.discard(interrupted=e if isinstance(e, KeyboardInterrupt) else None)
             ranks.announce("outcome", self._reason(e))
             self.agreed = True
             if isinstance(e, OSError):
                 raise self.stage.error(e) from e
             raise
+        ranks.watch_peers = False
         ranks.announce("outcome", "")
         # keep the store up (with rank 0, when no agent hosts it) until every rank has read the outcome
         deadline = time.monotonic() + STALE_S
@@ -424,7 +425,13 @@ class _Rank:
                 problem = self._reason(e)
         self._agree_nodes("done", problem, "could not put its copy in place (the nodes before it did: run the "
                                            "command again with --overwrite)")
-        return result if ranks.rank == 0 else None
+        # every node's first rank reports its own copy; node 0 also every node's, for the job's totals
+        node = self.nodes.of(ranks.rank)
+        mine = NodeCopy.of(self.nodes.name(node), result) if self.leads else None
+        copies = tuple(c for c in ranks.exchange("copies", mine) if c is not None)
+        if not self.leads:
+            return None
+        return NodeOutcome(result, mine, copies if node == 0 else ())
 
     def _agree_nodes(self, step: str, problem: str | None, what: str) -> None:
         views = self.ranks.exchange(step, problem)
@@ -440,7 +447,9 @@ class _Rank:
     def _clean_up(self, e: BaseException) -> None:
         ranks, interrupted = self.ranks, isinstance(e, KeyboardInterrupt)
         if self.stage is not None and (not self.handed_over or self.node_local) and not self._completed():
-            self.stage.discard(interrupted=e)
+            self.stage.discard(interrupted=e if interrupted else None)
+        elif self.uploads is not None and not self.handed_over and self.stage is None:
+            self.uploads.abort(interrupted=interrupted)  # this rank's uploads, not yet handed to rank 0
         elif not self.handed_over and self.tmp is not None and self.stage is None:
             # interrupted: removed for a moment only, the rest by the next write
             remove_temporary(self.tmp, self.out, interrupted=e)  # several ranks may try: harmless
@@ -451,4 +460,4 @@ class _Rank:
         ranks.depart(interrupted=interrupted)
 
     def _completed(self) -> bool:
-        return self.stage is not None and not self.stage.tmp.exists()
+        return self.stage is not None and self.stage.completed_all()

@@ -13,10 +13,15 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Callable
 
 from ..plan.files import ChunkSpec
 from ..runs.engine import Engine
 from ..syscalls import libc_function
+
+
+# Folders whose files go elsewhere once whole: a bucket output's spool (`reshard.write.bucket`) sends each at once.
+finished_hooks: dict[Path, Callable[[Path], None]] = {}
 
 
 def safetensors_header(chunks: list, metadata: dict[str, str]) -> bytes:
@@ -41,9 +46,13 @@ def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata
         header = safetensors_header(chunks, metadata)
     fd = create_sized(path, len(header) + sum(nbytes for nbytes, _, _ in boxes))
     try:
-        return engine.fill(fd, header, boxes, checksum=checksum)
+        crc = engine.fill(fd, header, boxes, checksum=checksum)
     finally:
         os.close(fd)
+    hook = finished_hooks.get(path.parent)
+    if hook is not None:
+        hook(path)
+    return crc
 
 
 def copy_source_file(store, name: str, dest: Path) -> None:

@@ -35,7 +35,7 @@ from ..runs.source_check import SourceCrcs
 from ..words import plural
 from .files import copy_source_file, write_safetensors
 from .output import headers_digest
-from .staged import ReplaceRule, StagedOutput, fsync_path, local_sources, not_a_reshard_output, not_ours
+from .staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, staged_output
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
 MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
@@ -273,7 +273,7 @@ class MergeJob:
         return [name for name in self.index.other_files if name not in self.names and name != INDEX_NAME]
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
-        return StagedOutput(out, overwrite, local_sources(self.index), rule=MERGE_OUTPUT)
+        return staged_output(out, overwrite, self.index, rule=MERGE_OUTPUT, markers=("config.json", INDEX_NAME))
 
     def needed_bytes(self) -> int:
         return sum(self.unit_sizes) + sum(self.index.store.size(name) for name in self.copied)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from ..runs.source_check import SourceCrcs
 from ..signals import sigterm_as_interrupt
+from ..words import mib
 from .staged import StagedOutput
 from .workers import default_workers, write_with_workers
 
@@ -57,11 +59,57 @@ class OutputJob(Protocol):
 
 
 def progress_bar(total: int, progress: bool | None, command: str):
-    """A byte bar labelled `reshard COMMAND` (None: only on a terminal; False: never)."""
+    """A byte bar labelled `reshard COMMAND` (None: on a terminal, and lines on a pipe, `PipeLines`; False: never)."""
+    import sys
+
     from tqdm.auto import tqdm
 
+    if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return PipeLines(total, command)
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"reshard {command}",
                 disable=None if progress is None else not progress)
+
+
+PIPE_EVERY_S = 5.0  # on a pipe, a long write says where it is this often: never a silent stretch longer than this
+
+
+class PipeLines:
+    """The byte bar on a pipe (a log, `srun`, a torchrun job's output), where tqdm draws nothing: a line every
+    `PIPE_EVERY_S` seconds while the files are written, and one when they are, so a long write is never silent; a
+    write done within the first interval prints nothing. Same interface as the bar: `n`, `update`, `close`."""
+
+    def __init__(self, total: int, command: str):
+        import threading
+        import time
+
+        self.total, self.command, self.n, self.said = total, command, 0, False
+        self.started = time.monotonic()
+        self._done = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="reshard-lines", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._done.wait(PIPE_EVERY_S):
+            self._say(f"{mib(self.n)} of {mib(self.total)} of files written")
+
+    def _say(self, text: str) -> None:
+        import sys
+        import time
+
+        self.said = True
+        print(f"reshard {self.command}: {text} ({time.monotonic() - self.started:.0f} s)", file=sys.stderr,
+              flush=True)
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        if self._done.is_set():
+            return
+        self._done.set()
+        self._ticker.join()
+        if self.said:
+            self._say(f"all {mib(self.n)} of files written; checking and completing the folder")
 
 
 def headers_digest(index) -> str:
@@ -107,3 +155,34 @@ def write_output(job: OutputJob, out, *, overwrite: bool = False, progress: bool
         finally:
             bar.close()
     return result
+
+
+@dataclass(frozen=True)
+class NodeCopy:
+    """What one node's copy holds, as its first rank reports it.
+
+    Attributes:
+        node: `node 1 (host, ranks 4-7)`.
+        files: rank files in the copy.
+        bytes: bytes of those files (headers included).
+        empty_markers: explicit empty markers among their tensors.
+    """
+
+    node: str
+    files: int
+    bytes: int
+    empty_markers: int
+
+    @classmethod
+    def of(cls, node: str, manifest) -> "NodeCopy":
+        return cls(node, len(manifest.files), manifest.bytes, manifest.empty_markers)
+
+
+@dataclass(frozen=True)
+class NodeOutcome:
+    """A node-local job's outcome on a node's first rank: what `finish` returned there (the node's manifest), the
+    node's own copy, and on node 0 every node's copy (empty elsewhere)."""
+
+    result: object
+    copy: NodeCopy
+    copies: tuple[NodeCopy, ...] = ()

@@ -6,9 +6,11 @@ Each node's first rank lists its copy of the folder (`survey`): every file's siz
 `.safetensors` file and the whole of each small metadata file. Every rank gets every node's listing, so the
 ranks of node 0, which write DEST, read one folder (`PeerStore`): a file on their own disk is read there, a header
 or a metadata file from the listing, and any other byte range from a rank of a node that holds the file, which
-serves requests until every writer is done (`Peers.serve`). The bytes travel as gloo point-to-point messages of at
-most `READ_BLOCK` each, so memory stays bounded, and the engine's usual checks apply to them as to any remote
-source: the CRC-32 of each range read is combined and checked against the manifest before DEST is put in place.
+serves requests until every writer is done (`Peers.serve`), rank 0's check of the source CRC-32s included: a writer
+never waits on a node that stopped serving (one that has not answered for `REPLY_S` stops every rank). The bytes
+travel as gloo point-to-point messages of at most `READ_BLOCK` each, so memory stays bounded, and the engine's usual
+checks apply to them as to any remote source: the CRC-32 of each range read is combined and checked against the
+manifest before DEST is put in place.
 Nodes' copies of a reshard folder (`write --node-local`) each list their own files: their manifests are joined
 into the whole folder's (`reshard.manifest.joined_copies`). A node-local write plans from the joined listing too, so
 every node plans the same job, but no node serves another: a file a node's ranks need and its disk lacks stops the
@@ -18,6 +20,7 @@ write, naming the file and the node.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +28,7 @@ from typing import Callable
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME, joined_copies
 from ..manifest.format import dump_manifest
+from ..read.content import sampled_crc
 from ..read.safetensors_header import json_document
 from ..read.store import HEADER_PROBE, READ_BLOCK, LocalStore, Store
 from .ranks import POLL_S, Agreed, Stopped
@@ -32,6 +36,7 @@ from .ranks import POLL_S, Agreed, Stopped
 WHOLE_LIMIT = 64 << 20  # a metadata file up to this size travels whole with the listing
 HEADER_LIMIT = 100 << 20  # safetensors' own bound on a header
 REQUEST, DONE = 1, 2
+REPLY_S = 60.0  # a server that has not answered one block's request by then stopped serving: a deadlock
 REQUEST_TAG = 1  # a writer's request to a server; the replies to writer w use tags 2 + 2w (status) and 3 + 2w (bytes)
 FAILED = 1
 
@@ -57,42 +62,48 @@ class Listing:
         return cls(str(spec), lambda: locate(spec).store)
 
 
-def survey(store: LocalStore) -> dict[str, tuple[int, bytes]]:
-    """This node's copy: file name -> (size, the header of a `.safetensors` file or the whole of a small file)."""
+def survey(store: LocalStore) -> dict[str, tuple[int, bytes, str | None]]:
+    """This node's copy: file name -> (size, the header of a `.safetensors` file or the whole of a small file, the
+    sampled tag of a `.safetensors` file's data for the write's identity, `reshard.read.content`)."""
     found = {}
     for name in store.names():
         size = store.size(name)
         if name.endswith(".safetensors"):
             length = int.from_bytes(store.read(name, 0, 8), "little") if size >= 8 else 0
             # as much as a remote header read asks for first (HEADER_PROBE), so reading SRC needs no request
-            found[name] = (size, store.read(name, 0, min(size, max(8 + min(length, HEADER_LIMIT), HEADER_PROBE))))
+            head = store.read(name, 0, min(size, max(8 + min(length, HEADER_LIMIT), HEADER_PROBE)))
+            tag = sampled_crc(store, name, 8 + length, size) if 8 + length <= size else None
+            found[name] = (size, head, tag)
         else:
-            found[name] = (size, store.read(name, 0, size) if size <= WHOLE_LIMIT else b"")
+            found[name] = (size, store.read(name, 0, size) if size <= WHOLE_LIMIT else b"", None)
     return found
 
 
 @dataclass(frozen=True)
 class Holding:
     """One file of the joined folder: its size, the bytes every rank has of it (a header, or the whole of a small
-    file), and the nodes whose disks hold it."""
+    file), the nodes whose disks hold it, and the first holder's tag of its data (`survey`)."""
 
     size: int
     head: bytes
     nodes: tuple[int, ...]
+    tag: str | None = None
 
 
-def catalog(surveys: list[dict | None], where: str) -> dict[str, Holding]:
+def catalog(surveys: list[dict | None], where: str, node_names=None) -> dict[str, Holding]:
     """The joined folder from every node's `survey` (None for ranks that did not survey): each name once.
+    `node_names(node)`: a node in words, for messages (`Nodes.name`; else `node N`).
 
     Raises:
         CheckpointError: two nodes hold a file of one name with different sizes (copies of different folders).
-        ManifestError: the nodes' manifests are of different folders.
+        ManifestError: the nodes' manifests are of different writes or folders.
     """
     files: dict[str, Holding] = {}
-    manifests = []
+    manifests, holders = [], []
     for node, found in enumerate(s for s in surveys if s is not None):
-        for name, (size, head) in found.items():
+        for name, (size, head, tag) in found.items():
             if name == MANIFEST_NAME:
+                holders.append(node_names(node) if node_names is not None else f"node {node}")
                 manifests.append(json_document(head, f"{where}/{name} on node {node}", "copy it again from a good "
                                                "copy of the folder. Nothing was written", path=f"{where}/{name}"))
                 continue
@@ -101,9 +112,9 @@ def catalog(surveys: list[dict | None], where: str) -> dict[str, Holding]:
                 raise CheckpointError(f"{where}/{name}: {known.size} bytes on node {known.nodes[0]}, {size} on node "
                                       f"{node}: the nodes hold different files under one name. Make every copy the "
                                       "same. Nothing was written.", path=f"{where}/{name}")
-            files[name] = Holding(size, head, (known.nodes if known else ()) + (node,))
+            files[name] = Holding(size, head, (known.nodes if known else ()) + (node,), known.tag if known else tag)
     if manifests:
-        joined = dump_manifest(joined_copies(manifests, where)).encode()
+        joined = dump_manifest(joined_copies(manifests, where, holders)).encode()
         files[MANIFEST_NAME] = Holding(len(joined), joined, ())
     return files
 
@@ -125,12 +136,15 @@ class Peers:
         ranks = self.nodes.ranks[holding.nodes[0]]
         return ranks[self.writers.index(self.ranks.rank) % len(ranks)]
 
-    def _wait(self, work) -> None:
+    def _wait(self, work, reply_from: str | None = None) -> None:
         """Wait for a send or receive. Gloo's point-to-point work cannot be polled (`is_completed` stays False until
         `wait`, and a `wait` that times out closes the connection), so a thread waits while this one watches for a
         rank gone. A stop does not end the wait: every request is answered (a failed read with FAILED), so a writer
-        and its server always finish the exchange they started and stop between blocks."""
+        and its server always finish the exchange they started and stop between blocks. A writer waiting for
+        `reply_from` (its server, in words) gives up after REPLY_S: a server that no longer serves, though no rank
+        died, is a deadlock, and every rank stops on it as on a rank gone."""
         failure: list[BaseException] = []
+        deadline = time.monotonic() + REPLY_S
 
         def complete() -> None:
             try:
@@ -144,6 +158,11 @@ class Peers:
             waiter.join(POLL_S)
             if waiter.is_alive() and self.ranks.gone:
                 raise Agreed(f"{self.ranks.gone}; every rank stopped and nothing was kept.")
+            if waiter.is_alive() and reply_from is not None and time.monotonic() > deadline:
+                self.ranks.leave(f"rank {self.ranks.rank} waited {REPLY_S:.0f} s for {reply_from} to answer a read, "
+                                 "but it no longer serves (a deadlock: no rank died)")
+                first = self.ranks.wait_for("gone")  # the first rank's reason: the same on every rank
+                raise Agreed(f"{first}; every rank stopped and nothing was kept.")
         if failure:
             raise Agreed(f"{self.ranks.gone or 'a rank of another node went away'} ({failure[0]}); every rank "
                          "stopped and nothing was kept.") from failure[0]
@@ -160,15 +179,16 @@ class Peers:
         torch, dist = self.torch, self.dist
         server = self.server_for(holding)
         tag = 2 + 2 * self.ranks.rank
+        who = f"rank {server} on {self.nodes.name(self.nodes.of(server))}"
         with self._lock:
             request = torch.tensor([REQUEST, self.ranks.rank, self.names.index(name), start, len(view), tag])
-            self._wait(dist.isend(request, server, group=self.ranks.group, tag=REQUEST_TAG))
+            self._wait(dist.isend(request, server, group=self.ranks.group, tag=REQUEST_TAG), who)
             status = torch.zeros(1, dtype=torch.int64)
-            self._wait(dist.irecv(status, server, group=self.ranks.group, tag=tag))
+            self._wait(dist.irecv(status, server, group=self.ranks.group, tag=tag), who)
             if int(status[0]) == FAILED:
                 raise Stopped()  # the server announced why
             data = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
-            self._wait(dist.irecv(data, server, group=self.ranks.group, tag=tag + 1))
+            self._wait(dist.irecv(data, server, group=self.ranks.group, tag=tag + 1), who)
 
     def done(self) -> None:
         """A writer is done (or stopped): tell every server, so that each stops once all writers are."""
@@ -176,7 +196,8 @@ class Peers:
         for server in (r for r in range(self.ranks.world) if r not in self.writers):
             try:
                 self._wait(dist.isend(torch.tensor([DONE, self.ranks.rank, 0, 0, 0, 0]), server,
-                                      group=self.ranks.group, tag=REQUEST_TAG))
+                                      group=self.ranks.group, tag=REQUEST_TAG),
+                           f"rank {server} on {self.nodes.name(self.nodes.of(server))}")
             except (Agreed, RuntimeError):
                 return  # a rank is gone: every rank stops on that
 
@@ -220,7 +241,8 @@ class Peers:
 
 class PeerStore(Store):
     """The joined folder as a node's writers read it: own disk first, then the listing, then, gathering, a peer node
-    (whose ranks serve in two rounds: while the writers read SRC, and while they write)."""
+    (whose ranks serve in three rounds: while the writers read SRC, while they write, and while rank 0 finishes
+    DEST and checks the source files' CRC-32s)."""
 
     def __init__(self, files: dict[str, Holding], local: LocalStore, node: int, nodes, spec: str,
                  peers: Peers | None = None):
@@ -249,9 +271,20 @@ class PeerStore(Store):
     def size(self, name: str) -> int:
         return self._holding(name).size
 
+    def content_tag(self, name: str) -> str | None:
+        """The tag of `name`'s data its first holder sampled (`reshard.read.content`): the same on every node."""
+        return self._holding(name).tag
+
     def local_path(self, name: str) -> Path | None:
         holding = self._holding(name)
         return self.local.local_path(name) if self.node in holding.nodes else None
+
+    def descriptor(self, name: str) -> int:
+        return self.local.descriptor(name)  # the engine asks only for a file `local_path` found on this node
+
+    def check_unchanged(self, name: str) -> None:
+        if self.node in self._holding(name).nodes:
+            self.local.check_unchanged(name)
 
     def readinto(self, name: str, start: int, view: memoryview) -> None:
         holding = self._holding(name)

@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
-from .distributed import use_distributed, write_distributed
+from .distributed import write_distributed
+from .nodes import use_distributed
 from .output import write_output
 
 
@@ -70,13 +71,17 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
         ranks_given: the job holds the files of some ranks only (`--ranks`), which a torchrun job decides itself.
 
     Returns:
-        (the job, what its `finish` returned), or (None, None) on the ranks other than 0 of a distributed run.
+        (the job, what its `finish` returned), or (None, None) on the ranks other than 0 of a distributed run;
+        gathering, on the first rank of each other node, (None, its `NodeOutcome`).
 
     Raises:
         UsageError: `workers` above 1 in a distributed run; `--ranks` in one, or `--node-local` outside one (refused
             before anything is read).
     """
     distributed = use_distributed(distributed, workers, command)
+    if node_local and "://" in os.fspath(out):
+        raise UsageError(f"{out}: --node-local writes a copy to each node's own disk; into a bucket, run the torchrun "
+                         f"{command} without it (each rank sends the files it writes). Nothing was read or written.")
     if (node_local or gather_from is not None) and not distributed:
         alone = (" or, on one node without torchrun, write that node's files with `reshard write SRC OUT ... --ranks "
                  "FIRST-LAST`" if command == "write" else "")
@@ -95,6 +100,7 @@ def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: b
 
         result = write_distributed(build, out, overwrite=overwrite, progress=progress, command=command,
                                    node_local=node_local, gather_from=gather_from, list_from=list_from)
-        return (jobs[-1], result) if result is not None else (None, None)
+        # a node that only served its files to node 0 built no job, and says what it gave
+        return (jobs[-1] if jobs else None, result) if result is not None else (None, None)
     job = read_job()
     return job, write_output(job, out, overwrite=overwrite, progress=progress, workers=workers)

@@ -25,7 +25,7 @@ from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
 from .files import copy_source_file, safetensors_header, write_safetensors
 from .output import headers_digest
-from .staged import StagedOutput, fsync_path, local_sources
+from .staged import StagedOutput, fsync_path, staged_output
 
 
 def rank_file_layout(items: list) -> tuple[list, bytes, list]:
@@ -42,7 +42,7 @@ def write_rank_file(path: Path, layout: tuple[list, bytes, list], engine: Engine
     crc = write_safetensors(path, specs, boxes, None, engine, header=header)
     # The chunks are a run of the plan's order; their offsets and shapes follow from the placements (the manifest
     # stays linear in tensors plus files, however many coordinates).
-    return {"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc:08x}",
+    return {"name": path.name, "bytes": len(header) + sum(nbytes for nbytes, _, _ in boxes), "crc32": f"{crc:08x}",
             "first": specs[0].index, "count": len(specs), "empty_markers": sum(0 in s.shape for s in specs)}
 
 
@@ -109,9 +109,11 @@ def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
         for part, chunk_items in enumerate(parts := split_parts(items, max_shard_size)):
             path = folder / extra_file_name(part, len(parts))
             specs = [spec for spec, _, _ in chunk_items]
-            crc = write_safetensors(path, specs, [(s.nbytes, t, box) for s, t, box in chunk_items],
-                                    {"format": "pt"}, engine)
-            entries.append({"name": path.name, "bytes": path.stat().st_size, "crc32": f"{crc:08x}",
+            header = safetensors_header(specs, {"format": "pt"})
+            crc = write_safetensors(path, specs, [(s.nbytes, t, box) for s, t, box in chunk_items], None, engine,
+                                    header=header)
+            entries.append({"name": path.name, "bytes": len(header) + sum(s.nbytes for s in specs),
+                            "crc32": f"{crc:08x}",
                             "keys": [spec.name for spec in specs]})
         engine.finish()
     finally:
@@ -190,7 +192,7 @@ class WriteJob:
         return [name for name in self.index.other_files if name != MANIFEST_NAME]
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
-        return StagedOutput(out, overwrite, local_sources(self.index))
+        return staged_output(out, overwrite, self.index, markers=(MANIFEST_NAME,))
 
     def needed_bytes(self) -> int:
         return (sum(self.unit_sizes[u] for u in self.units) + (extras_bytes(self.plan) if self.holds_extras else 0)

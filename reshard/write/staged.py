@@ -145,8 +145,22 @@ class StagedOutput:
             self.discard()
             raise self.error(e) from e
         except BaseException as e:
-            self.discard(interrupted=e)
+            self.discard(interrupted=e if isinstance(e, KeyboardInterrupt) else None)
             raise
+
+    def open_shared(self) -> Path:
+        """Create the temporary folder the ranks of a distributed job write into; returns it."""
+        self.tmp.mkdir()
+        return self.tmp
+
+    @contextmanager
+    def finishing(self):
+        """Where the process completing a distributed job writes the rest: the temporary folder."""
+        yield self.tmp
+
+    def completed_all(self) -> bool:
+        """Whether the folder is in place (its temporary folder is gone)."""
+        return not self.tmp.exists()
 
     def complete(self) -> None:
         """fsync the finished temporary folder and put it in place as OUT."""
@@ -154,7 +168,7 @@ class StagedOutput:
         fsync_dir(self.tmp)
         replace(self.tmp, self.out, self.overwrite, self.rule)
 
-    def discard(self, *, interrupted: BaseException | None = None) -> None:
+    def discard(self, *, interrupted: KeyboardInterrupt | None = None) -> None:
         """After a failure, or `interrupted` by one: put OUT back if this write had moved it aside, remove the
         temporaries.
 
@@ -183,20 +197,50 @@ def output_error(e: OSError, out: Path, total: int) -> OutputError:
     return OutputError(f"{out}: write failed ({e}); nothing was kept.")
 
 
-def refuse_url_output(out, what: str) -> None:
-    """Refuse an output given as a URL (`s3://bucket/out`) before anything is read: reshard writes a folder atomically
-    with a lock, a temporary folder and a rename, which an object store does not offer.
-
-    Raises:
-        UsageError: `out` is a URL.
-    """
+def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = RESHARD_OUTPUT, markers: tuple[str, ...]):
+    """OUT claimed for a job reading `index`: a folder (`StagedOutput`), or a bucket prefix
+    (`reshard.write.bucket.BucketOutput`, whose commit marker is the files `markers`, written last)."""
     from ..read.source import is_url
 
     if is_url(out):
-        raise UsageError(f"{what} {out}: a URL. reshard writes its output to a local or shared file system (node-local "
-                         "disks, NFS, Lustre): an atomic folder needs a lock and a rename, which object stores do not "
-                         f"offer. Pass a folder, and copy it to the bucket afterwards if you need it there. Nothing "
-                         "was read or written.")
+        from .bucket import BucketOutput
+
+        remote = index.store.location if index.root is None else None  # a source the prefix must not be in
+        return BucketOutput(out, overwrite, markers=markers, source=remote)
+    return StagedOutput(out, overwrite, local_sources(index), rule=rule)
+
+
+def check_url_output(out, what: str, overwrite: bool) -> None:
+    """Check an output given as a URL before anything is read: an `s3://bucket/prefix` must be writable with these
+    credentials and hold no checkpoint (unless `overwrite`); another scheme is refused.
+
+    Raises:
+        UsageError: a URL of another scheme.
+        OutputError: the bucket or prefix cannot take the output (`reshard.write.bucket`).
+    """
+    from ..read.source import S3_SCHEMES, is_url
+
+    if not is_url(out):
+        return
+    if not out.startswith(S3_SCHEMES):
+        raise UsageError(f"{what} {out}: reshard writes to a folder or to an s3://bucket/prefix; not this scheme. "
+                         "Nothing was read or written.")
+    from .bucket import Bucket, refuse_occupied
+
+    bucket = Bucket(out)
+    bucket.check_writable()
+    refuse_occupied(bucket, bucket.names(), overwrite)
+
+
+def refuse_empty_output(out, what: str) -> None:
+    """Refuse an empty output path: `Path("")` is the current folder, which `--overwrite` would swap away.
+
+    Raises:
+        UsageError: `out` is empty.
+    """
+    if not os.fspath(out):
+        raise UsageError(f"{what} is empty (\"\"): pass the folder to write, such as ./out; an empty path would be the "
+                         "current folder. Nothing was read or written.")
 
 
 def local_sources(index) -> list[Path]:
@@ -259,11 +303,13 @@ def remove_within(folder: Path, out: Path, seconds: float) -> Path | None:
 
 
 def left_behind_text(interrupt: BaseException) -> str:
-    """What the writes `interrupt` stopped left on disk and when it is cleaned, for the CLI's last line."""
+    """What the writes `interrupt` stopped left on disk or in a bucket, and when it is cleaned, for the CLI's last
+    line: both travel on the interrupt (`left_behind`, and a bucket write's `notes`)."""
     left_behind = getattr(interrupt, "left_behind", ())
+    notes = " ".join(getattr(interrupt, "notes", ())) + " " if getattr(interrupt, "notes", ()) else ""
     if not left_behind:
-        return "nothing partial was left behind."
-    lines = []
+        return notes + "nothing partial was left behind."
+    lines = [notes.strip()] if notes else []
     for folder, out in left_behind:
         try:
             count = f" ({len(os.listdir(folder))} entries)"

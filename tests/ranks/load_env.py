@@ -7,8 +7,9 @@ this rank's number (node-local copies). SRC `-` skips the comparison with a sing
 
 The process group comes from the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), created by
 reshard as transformers would. Each rank writes REPORT_DIR/rank{r}.json: the error if any (and seconds to it), the
-parameters that differ from the source, whether logits match, and every file it opened under the test's folder
-while loading. It exits 3 on an error, without any barrier: a rank must never need the others to stop.
+parameters that differ from the source, whether logits match, every file it opened under the test's folder
+while loading, and on the machine's monotonic clock when its imports were done (`loading_at`) and when it stopped
+with an error (`ended_at`). It exits 3 on an error, without any barrier: a rank must never need the others to stop.
 
 RESHARD_TEST_DENY: a path whose opening fails with EACCES, as for a non-root user without read permission (tests
 run as root, which chmod cannot stop).
@@ -51,23 +52,25 @@ def main():
     sys.addaudithook(audit)
     try:
         import torch
+        import torch.distributed.checkpoint  # noqa: F401
+        # imported before the clock starts (transformers imports its model code lazily, inside from_pretrained): on
+        # a busy machine imports take long, and the clock times the load's own steps
+        __import__("transformers.modeling_utils")
+        from transformers import AutoModelForCausalLM
 
+        import reshard
+        import reshard.load.loader  # noqa: F401
+
+        report["loading_at"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
         if mode == "reshard":
-            import reshard
-
             model = reshard.from_pretrained(folder)
         else:
-            import reshard
-            from transformers import AutoModelForCausalLM
-
             reshard.patch_transformers()
             model = AutoModelForCausalLM.from_pretrained(folder)
         report["opened"] = sorted(opened)
         watch = "/nonexistent"  # the reference load below reads the source: not the rank's files
         report["is_dtensor"] = any(hasattr(t, "full_tensor") for t in model.state_dict().values())
         if src != "-":
-            from transformers import AutoModelForCausalLM
-
             reference = AutoModelForCausalLM.from_pretrained(src, use_kernels=False)
             ref_state = reference.state_dict()
             state = model.state_dict()
@@ -86,6 +89,7 @@ def main():
 
         report["group_left_up"] = dist.is_initialized()  # reshard created it: a failed load must destroy it
         report["seconds"] = time.monotonic() - start
+        report["ended_at"] = time.monotonic()
         with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
         os._exit(3)

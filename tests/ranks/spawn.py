@@ -16,7 +16,7 @@ import time
 
 import torch.multiprocessing as mp
 
-DEADLINE = 120.0
+DEADLINE = 300.0  # busy-machine imports take a minute; a rank waiting for a dead peer waits 600 s (gloo)
 
 
 def _rank_main(rank, world, port, script, args):

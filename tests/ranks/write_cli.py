@@ -16,8 +16,11 @@ writing its output file C + 1, `model-0000{C+1}-of-...`, and only enospc):
   sleep:C:MARKER       write the file, create MARKER, then sleep 120 s (the test stops the write meanwhile)
   serve-sleep:MARKER   a merge across nodes: the first request a rank off node 0 answers creates MARKER, then that
                        rank sleeps 120 s (the test kills its node meanwhile)
+  serve-drop           a merge across nodes: the ranks off node 0 drop every request unanswered and go on serving, as
+                       a rank that stopped serving too early does (a deadlock no death explains)
 
 RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.ranks.STALE_S).
+RESHARD_TEST_REPLY_S: seconds a writer waits for a serving rank's reply (reshard.write.peers.REPLY_S).
 
 The patch is made at import, outside the main guard: `--workers` processes are spawned and import this script as
 `__mp_main__`, so they get it too (the fault is passed to them in RESHARD_TEST_FAULT).
@@ -90,6 +93,8 @@ def _slow_answer(self, *args):
     if kind == "serve-sleep":
         Path(marker).write_text(str(time.time()))
         time.sleep(120)
+    if kind == "serve-drop":
+        return None
     return _stock_answer(self, *args)
 
 
@@ -104,6 +109,8 @@ reshard.write.distributed.progress_bar = _counted_progress_bar
 reshard.write.peers.Peers._answer = _slow_answer
 if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than in production
     reshard.write.ranks.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
+if os.environ.get("RESHARD_TEST_REPLY_S"):
+    reshard.write.peers.REPLY_S = float(os.environ["RESHARD_TEST_REPLY_S"])
 
 
 def main():

@@ -1,0 +1,319 @@
+"""`write` and `merge` into a bucket prefix (`reshard.write.bucket`), on the real S3 server the suite runs (SeaweedFS,
+tests/s3_server.py): objects byte-identical to the local output, multipart uploads with the marker last, refusals
+before anything is read, and nothing left behind by a failure, a SIGTERM or a server that goes away."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reshard.api import merge_checkpoint, write_checkpoint
+from reshard.errors import OutputError, UsageError
+from reshard.plan.mesh import MeshSpec
+from reshard.write import bucket as bucket_output
+
+from conftest import rank_reports, run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_PART = 5 << 20  # S3's smallest part (SeaweedFS checks it too): a 10 MB file goes in 2 parts
+
+
+def client(server):
+    """An s3fs client of `server` with credentials of its own (a test may have removed the environment's)."""
+    import s3fs
+    from s3_server import SECRET
+
+    return s3fs.S3FileSystem(key="checker", secret=SECRET, endpoint_url=server.url, skip_instance_cache=True)
+
+
+def objects(server, bucket: str, prefix: str) -> dict[str, bytes]:
+    """Every object under `prefix`, by name, read straight from the server."""
+    fs = client(server)
+    listed = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
+    return {e["Key"].rsplit("/", 1)[-1]: fs.cat_file(f"{bucket}/{e['Key']}") for e in listed
+            if not e["Key"].endswith("/")}
+
+
+def open_uploads(server, bucket: str) -> list:
+    """The multipart uploads in progress in `bucket`."""
+    return client(server).call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def cli(server, *args, access_key="cli", **popen):
+    env = {**server.environ(access_key), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RESHARD_CACHE_DIR": ""}
+    return subprocess.Popen([sys.executable, "-m", "reshard", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    monkeypatch.setattr(bucket_output, "PART_BYTES", SMALL_PART)
+
+
+@pytest.fixture
+def folder(tiny, tmp_path):
+    """A tiny checkpoint (embeddings of 10 MB) and its reshard folder at fsdp 4: (src, folder)."""
+    src = tiny("qwen3_moe", experts=6, vocab_size=40_000)
+    write_checkpoint(src, tmp_path / "folder", MeshSpec(fsdp=4), progress=False)
+    return src, tmp_path / "folder"
+
+
+def test_the_part_size_keeps_a_file_within_s3s_10000_parts():
+    assert bucket_output.part_bytes(1) == bucket_output.part_bytes(160 * 10**9) == 16 << 20
+    for size in (160 * 10**9 + 1, 700 * 10**9, 5 * 2**40):
+        step = bucket_output.part_bytes(size)
+        assert step % (1 << 20) == 0 and -(-size // step) <= 10_000 and -(-size // (step - (1 << 20))) > 10_000
+
+
+# ---- merge into a bucket ------------------------------------------------------------------------------------------
+
+def test_a_merge_into_a_bucket_is_the_local_merge_in_multipart_uploads_marker_last(s3, s3_bucket, folder, tmp_path,
+                                                                                    small_parts):
+    _, ckpt = folder
+    merge_checkpoint(ckpt, tmp_path / "merged", max_shard_size=8_000_000, progress=False)
+    s3.clear_log()
+    merge_checkpoint(ckpt, f"s3://{s3_bucket}/merged", max_shard_size=8_000_000, progress=False)
+    local = files_of(tmp_path / "merged")
+    assert len([n for n in local if n.endswith(".safetensors")]) >= 3
+    assert objects(s3, s3_bucket, "merged") == local
+    log = s3.requests(bucket=s3_bucket, prefix="merged/")
+    parts = [r for r in log if r.method == "PUT" and "partNumber=" in r.query]
+    for name in (n for n in local if n.endswith(".safetensors")):
+        sent = [r for r in parts if r.key == f"merged/{name}"]
+        assert len(sent) == -(-len(local[name]) // SMALL_PART) and sum(r.received for r in sent) == len(local[name])
+    completes = [r.started for r in log if r.method == "POST" and "uploadId=" in r.query]
+    markers = [r.started for r in log if r.method == "PUT" and r.key in ("merged/config.json",
+                                                                         "merged/model.safetensors.index.json")]
+    assert len(completes) == len([n for n in local if n.endswith(".safetensors")]) and len(markers) == 2
+    assert max(completes) < min(markers)  # the marker is written once every file is complete
+    assert open_uploads(s3, s3_bucket) == []
+
+
+def test_a_prefix_holding_a_checkpoint_needs_overwrite_and_then_loses_its_marker_first(s3, s3_bucket, folder,
+                                                                                        tmp_path):
+    _, ckpt = folder
+    url = f"s3://{s3_bucket}/merged"
+    merge_checkpoint(ckpt, url, max_shard_size=8_000_000, progress=False)
+    before = objects(s3, s3_bucket, "merged")
+    s3.clear_log()
+    with pytest.raises(OutputError, match=r"already holds .* objects\. Pass --overwrite"):
+        merge_checkpoint(ckpt, url, progress=False)
+    assert not [r for r in s3.requests() if r.method != "GET" and r.method != "HEAD" and "uploads" not in r.query
+                and r.key != f"merged/{bucket_output.PROBE}"]
+    s3.clear_log()
+    merge_checkpoint(ckpt, url, overwrite=True, progress=False)  # 5 GB shards: one file now
+    merge_checkpoint(ckpt, tmp_path / "one", progress=False)
+    assert objects(s3, s3_bucket, "merged") == files_of(tmp_path / "one") != before  # the old parts removed
+    log = s3.requests(bucket=s3_bucket, prefix="merged/")
+    deletes = [r for r in log if r.method == "DELETE" and r.key == "merged/model.safetensors.index.json"]
+    data = [r for r in log if r.method in ("PUT", "POST") and "safetensors" in r.key and r.key.endswith("safetensors")]
+    assert deletes and deletes[0].started < min(r.started for r in data)
+
+
+def test_a_prefix_holding_other_objects_is_not_replaced(s3, s3_bucket, folder):
+    s3.put_bytes(f"s3://{s3_bucket}/mine/notes.txt", b"keep me")
+    with pytest.raises(OutputError, match=r"--overwrite replaces only a prefix holding a checkpoint .* notes\.txt"):
+        merge_checkpoint(folder[1], f"s3://{s3_bucket}/mine", overwrite=True, progress=False)
+    assert objects(s3, s3_bucket, "mine") == {"notes.txt": b"keep me"}
+
+
+@pytest.mark.parametrize("case", ["no bucket", "no credentials", "read-only", "whole bucket", "other scheme"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_source_is_read(s3, s3_bucket, folder, monkeypatch,
+                                                                                case):
+    src, _ = folder
+    s3.put_folder(src, f"s3://{s3_bucket}/src")
+    s3.clear_log()
+    url, error, match = f"s3://{s3_bucket}/out", OutputError, None
+    if case == "no bucket":
+        url, match = "s3://no-such-bucket-here/out", r"the bucket no-such-bucket-here does not exist"
+    elif case == "no credentials":
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        match = r"no AWS credentials were found"
+    elif case == "read-only":
+        s3.fail_next(1, 403, code="AccessDenied", methods=("POST",))
+        match = r"may not write under the prefix \(access denied\)"
+    elif case == "whole bucket":
+        url, error, match = f"s3://{s3_bucket}", UsageError, r"a prefix, s3://bucket/prefix, not a whole bucket"
+    else:
+        url, error, match = f"gs://{s3_bucket}/out", UsageError, r"not this scheme"
+    with pytest.raises(error, match=match + r".*Nothing was read or written"):
+        write_checkpoint(f"s3://{s3_bucket}/src", url, MeshSpec(fsdp=2), progress=False)
+    assert not s3.requests(prefix="src/")  # not even a listing of the source
+    assert open_uploads(s3, s3_bucket) == []
+
+
+def test_a_failing_part_is_retried_then_named_and_every_upload_aborted(s3, s3_bucket, folder, tmp_path,
+                                                                       small_parts):
+    _, ckpt = folder
+    merge_checkpoint(ckpt, tmp_path / "merged", max_shard_size=8_000_000, progress=False)
+    first = min(n for n in files_of(tmp_path / "merged") if n.endswith(".safetensors"))
+    # both parts of the first file fail on every attempt
+    s3.fail_next(2 * bucket_output.ATTEMPTS, 500, methods=("PUT",), key=f"failing/{first}")
+    with pytest.raises(OutputError, match=rf"failing/{first}: uploading part 1 of 2 \(bytes 0-5242879\) failed "
+                                          r"after 4 attempts .* aborted \d+ multipart uploads? "):
+        merge_checkpoint(ckpt, f"s3://{s3_bucket}/failing", max_shard_size=8_000_000, progress=False)
+    assert open_uploads(s3, s3_bucket) == []
+    assert objects(s3, s3_bucket, "failing") == {}  # no file, no marker
+
+
+def test_a_failure_after_the_uploads_completed_removes_them(s3, s3_bucket, folder, monkeypatch):
+    def fail(step):
+        raise OSError(5, "injected")
+
+    monkeypatch.setattr(bucket_output, "complete_hook", fail)
+    with pytest.raises(OutputError, match=r"aborted 0 multipart uploads and removed [2-9] objects it had completed; "
+                                          r"no commit marker was written"):
+        merge_checkpoint(folder[1], f"s3://{s3_bucket}/late", progress=False)
+    assert objects(s3, s3_bucket, "late") == {} and open_uploads(s3, s3_bucket) == []
+
+
+# ---- write into a bucket -------------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_a_write_into_a_bucket_is_the_local_write_and_loads_exactly_on_5_ranks(s3, s3_bucket, folder, tmp_path):
+    src, _ = folder
+    url = f"s3://{s3_bucket}/fsdp5"
+    write_checkpoint(src, tmp_path / "local", MeshSpec(fsdp=5), progress=False)
+    s3.clear_log()
+    write_checkpoint(src, url, MeshSpec(fsdp=5), progress=False)
+    assert objects(s3, s3_bucket, "fsdp5") == files_of(tmp_path / "local")
+    writes = [r for r in s3.requests(bucket=s3_bucket) if r.method in ("PUT", "POST")]
+    assert writes[-1].key == "fsdp5/reshard.json" and writes[-1].method == "PUT"
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    run_ranks("load_remote.py", 5, url, src, reports, env=s3.environ("ranks"), timeout=300)
+    for report in rank_reports(reports, 5):
+        assert "error" not in report, report.get("traceback")
+        assert report["mismatched"] == [] and report["tensors"] == 25
+
+
+@pytest.mark.multirank
+def test_a_torchrun_write_into_a_bucket_sends_each_rank_file_from_the_rank_that_wrote_it(s3, s3_bucket, folder,
+                                                                                          tmp_path):
+    src, _ = folder
+    write_checkpoint(src, tmp_path / "local", MeshSpec(fsdp=4), progress=False)
+    s3.clear_log()
+    run_ranks("cli_as_rank.py", 2, "write", src, f"s3://{s3_bucket}/ranks", "--fsdp", 4, "-q",
+              env=s3.environ("ranks"), timeout=300)
+    assert objects(s3, s3_bucket, "ranks") == files_of(tmp_path / "local")
+    sent = {}
+    for r in s3.requests(bucket=s3_bucket, method="PUT"):
+        if "partNumber=" in r.query:
+            sent.setdefault(r.access_key, set()).add(r.key.rsplit("/", 1)[-1])
+    rank_files = [f for f in files_of(tmp_path / "local") if f.startswith("shard-")]
+    assert sorted(sent) == ["rank0", "rank1"] and sent["rank0"].isdisjoint(sent["rank1"])
+    assert sent["rank0"] | sent["rank1"] >= set(rank_files)
+    written = {r.key.rsplit("/", 1)[-1]: r.access_key for r in s3.requests(bucket=s3_bucket)
+               if r.method == "POST" and "uploadId=" in r.query}
+    assert set(written.values()) == {"rank0"}  # rank 0 completes every upload
+    assert s3.requests(bucket=s3_bucket, method="PUT")[-1].key == "ranks/reshard.json"
+
+
+def test_node_local_into_a_bucket_is_refused_before_anything_is_read(s3, s3_bucket, folder):
+    with pytest.raises(UsageError, match=r"--node-local writes a copy to each node's own disk; into a bucket"):
+        write_checkpoint(folder[0], f"s3://{s3_bucket}/x", MeshSpec(fsdp=2), distributed=True, node_local=True,
+                         progress=False)
+
+
+def test_sigterm_mid_upload_leaves_no_marker_and_no_upload_in_progress(s3, s3_bucket, folder):
+    src, _ = folder
+    # a part of the first rank file hangs: the write is surely mid-upload when the signal comes
+    s3.stall_next(1, 60, methods=("PUT",), key="cut/shard-00000-model-00001-of-00001.safetensors")
+    proc = cli(s3, "write", src, f"s3://{s3_bucket}/cut", "--fsdp", 4, "-q")
+    deadline = time.monotonic() + 120
+    while not s3.requests(method="PUT", prefix="cut/shard-", wait=0) and not [
+            r for r in s3.requests(wait=0, fault="stall")]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    while not open_uploads(s3, s3_bucket):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    s3.release_stalls()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "aborted" in err and "no commit marker was written" in err, err
+    assert "reshard.json" not in objects(s3, s3_bucket, "cut")
+    s3.wait_idle(30)
+    assert open_uploads(s3, s3_bucket) == []
+
+
+def test_a_server_that_goes_away_mid_upload_ends_in_a_clear_error(folder):
+    """Its own server (killing the session's would break later tests)."""
+    from s3_server import S3Server
+
+    src, _ = folder
+    server = S3Server.start()
+    try:
+        bucket = server.new_bucket("gone")
+        server.stall_next(1, 60, methods=("PUT",))
+        proc = cli(server, "write", src, f"s3://{bucket}/out", "--fsdp", 4, "-q")
+        deadline = time.monotonic() + 120
+        while not server.requests(method="POST", wait=0, prefix="out/shard-"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1)
+        killed = time.monotonic()
+        server.kill()
+        _, err = proc.communicate(timeout=120)
+        stopped = time.monotonic() - killed
+    finally:
+        server.stop()
+    assert proc.returncode == 1, err
+    assert f"s3://{bucket}/out/shard-" in err and "failed after" in err and "could not be removed" in err, err
+    assert "Traceback" not in err and stopped < 60, (stopped, err)
+
+
+# ---- merge across nodes into a bucket -------------------------------------------------------------------------------
+
+def test_a_merge_across_nodes_into_a_bucket_equals_the_local_merge(s3, s3_bucket, tiny, tmp_path):
+    """2 simulated nodes x 2 ranks: a node-local write, then `merge --node-local` into s3://. The objects equal a merge
+    of the same files on one machine; node 0's ranks send every object (node 1's bytes reach them over the process
+    group), each rank from its own access key, and rank 0 completes every upload."""
+    from nodes import run_nodes
+
+    src = tiny("qwen3_moe", experts=4)
+    mount_at, reports = tmp_path / "disk", tmp_path / "reports"
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d in (mount_at, reports, *node_dirs):
+        d.mkdir()
+    env = {**s3.environ("ranks"), "PYTHONPATH": str(REPO)}
+    write = run_nodes("cli_as_rank.py", "write", src, mount_at / "ep", "--fsdp", 4, "--ep", 2, "--node-local", "-q",
+                      mount_at=mount_at, node_dirs=node_dirs, env=env, timeout=240)
+    assert [n.returncode for n in write.nodes] == [0, 0], [n.stderr[-3000:] for n in write.nodes]
+    s3.clear_log()
+    merge = run_nodes("cli_as_rank.py", "merge", mount_at / "ep", f"s3://{s3_bucket}/merged", "--node-local",
+                      "--max-shard-size", 150_000, "-q", mount_at=mount_at, node_dirs=node_dirs, env=env, timeout=240)
+    assert [n.returncode for n in merge.nodes] == [0, 0], [n.stderr[-3000:] for n in merge.nodes]
+    write_checkpoint(src, tmp_path / "whole", MeshSpec(fsdp=4, ep=2), progress=False)
+    merge_checkpoint(tmp_path / "whole", tmp_path / "reference", max_shard_size=150_000, progress=False)
+    assert objects(s3, s3_bucket, "merged") == files_of(tmp_path / "reference")
+    log = s3.requests(bucket=s3_bucket)
+    sent: dict[str, int] = {}
+    for r in log:
+        if r.method == "PUT":
+            sent[r.access_key] = sent.get(r.access_key, 0) + r.received
+    assert set(sent) <= {"rank0", "rank1"} and sum(sent.values()) == sum(
+        len(b) for b in files_of(tmp_path / "reference").values())
+    assert {r.access_key for r in log if r.method == "POST" and "uploadId=" in r.query} == {"rank0"}
+    assert open_uploads(s3, s3_bucket) == []
+    print(f"merge across nodes into s3: bytes sent per rank {sent}")
+
+
+def test_a_merge_by_worker_processes_into_a_bucket_is_the_same(s3, s3_bucket, folder, tmp_path):
+    """`--workers 2`: the workers' files wait in the spool and are sent by the process that completes the output."""
+    _, ckpt = folder
+    merge_checkpoint(ckpt, tmp_path / "merged", max_shard_size=8_000_000, progress=False)
+    merge_checkpoint(ckpt, f"s3://{s3_bucket}/workers", max_shard_size=8_000_000, progress=False, workers=2)
+    assert objects(s3, s3_bucket, "workers") == files_of(tmp_path / "merged")
+    assert open_uploads(s3, s3_bucket) == []
