@@ -40,6 +40,15 @@ def launcher_world_size() -> int | None:
         return None
 
 
+def multi_rank_job() -> bool:
+    """This call runs in a multi-rank job: a process group exists, or a launcher set WORLD_SIZE > 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    return (launcher_world_size() or 1) > 1
+
+
 def in_distributed_job() -> bool:
     """True when this process is one rank of a multi-rank job, initializing the default process group from the
     launcher's environment the way transformers does (nccl bound to LOCAL_RANK on CUDA, gloo on CPU) if needed.

@@ -40,7 +40,8 @@ LAYERS = [
     ("write", ("reshard.write",)),
     ("load", ("reshard.load",)),
     ("entry", ("reshard.tiny", "reshard.results", "reshard.api", "reshard.verification", "reshard.env",
-               "reshard.demo", "reshard._demo_rank", "reshard.cli", "reshard.params", "reshard.__main__")),
+               "reshard.demo", "reshard._demo_rank", "reshard.cli", "reshard.cli_help", "reshard.params",
+               "reshard.__main__")),
 ]
 SIDE_BY_SIDE = {("write", "load"), ("load", "write")}  # one layer each, but neither may import the other
 PACKAGE = "reshard"  # its __init__ is the lazy public facade: `__version__` and re-exports, not an arrow

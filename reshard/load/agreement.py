@@ -29,6 +29,11 @@ def has_shard_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.glob("shard-*-model-*-of-*.safetensors"))
 
 
+def may_hold_reshard_files(folder: Path) -> bool:
+    """A local folder that is, or may be on other ranks, a reshard folder: all ranks must then agree on it."""
+    return (folder / MANIFEST_NAME).is_file() or has_shard_files(folder)
+
+
 @dataclass(frozen=True)
 class Agreed:
     """What every rank agreed to load: the manifest, the store its files are read from, the `DistributedConfig`."""
@@ -241,3 +246,15 @@ def _nodes_swapped(folder, copies: list[dict]) -> str | None:
 
 def _ranks_of(spans) -> set[int]:
     return {r for first, last in spans for r in range(first, last + 1)}
+
+
+def agree_for_pretrained(folder, distributed_config, *, need_config: bool):
+    """For a patched `from_pretrained` in a multi-rank job: the agreed ((manifest, store), DistributedConfig) for a
+    reshard folder, or (None, the config given)."""
+    from ..launch import in_distributed_job
+
+    in_distributed_job()  # create the process group from the launcher's environment, as transformers would
+    agreed = agree_to_load(folder, distributed_config, require_manifest=False, need_config=need_config)
+    if agreed is None:
+        return None, distributed_config
+    return (agreed.manifest, agreed.store), agreed.distributed_config

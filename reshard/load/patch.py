@@ -351,7 +351,9 @@ def _wrap_from_pretrained(original):
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
         from pathlib import Path
 
+        from ..launch import multi_rank_job
         from ..manifest import read_manifest
+        from .agreement import agree_for_pretrained, may_hold_reshard_files
 
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
         if kwargs.get("use_kernels") is None:
@@ -360,8 +362,8 @@ def _wrap_from_pretrained(original):
             kwargs["use_kernels"] = False
         active = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
         direct = all(kwargs.get(k) is None for k in ("state_dict", "gguf_file")) and not kwargs.get("subfolder")
-        if active is None and folder is not None and direct and _multi_rank() and _is_candidate(folder):
-            active, kwargs["distributed_config"] = _agree(folder, kwargs.get("distributed_config"),
+        if active is None and folder is not None and direct and multi_rank_job() and may_hold_reshard_files(folder):
+            active, kwargs["distributed_config"] = agree_for_pretrained(folder, kwargs.get("distributed_config"),
                                                           need_config=kwargs.get("config") is None)
         if active is None and folder is not None and (folder / MANIFEST_NAME).is_file():
             from ..read.source import locate
@@ -385,34 +387,3 @@ def _wrap_from_pretrained(original):
             _dcp_path.reset(dcp_token)
 
     return classmethod(from_pretrained)
-
-
-def _multi_rank() -> bool:
-    """This call runs in a multi-rank job: a process group exists, or a launcher set WORLD_SIZE > 1."""
-    import torch.distributed as dist
-
-    from ..launch import launcher_world_size
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size() > 1
-    return (launcher_world_size() or 1) > 1
-
-
-def _is_candidate(folder) -> bool:
-    """A local folder that is, or may be on other ranks, a reshard folder: all ranks must then agree on it."""
-    from ..manifest import MANIFEST_NAME
-    from .agreement import has_shard_files
-
-    return (folder / MANIFEST_NAME).is_file() or has_shard_files(folder)
-
-
-def _agree(folder, distributed_config, *, need_config: bool):
-    """The agreed ((manifest, store), DistributedConfig) for a reshard folder, or (None, the config given)."""
-    from ..launch import in_distributed_job
-    from .agreement import agree_to_load
-
-    in_distributed_job()  # create the process group from the launcher's environment, as transformers would
-    agreed = agree_to_load(folder, distributed_config, require_manifest=False, need_config=need_config)
-    if agreed is None:
-        return None, distributed_config
-    return (agreed.manifest, agreed.store), agreed.distributed_config

@@ -8,7 +8,7 @@ a byte range, so a local folder, a Hugging Face cache snapshot, the Hub and S3 d
   cache snapshot's links into its repo's `blobs/`). The engine copies a local file's bytes inside the kernel, so the
   store also gives its path (`local_path`).
 - `reshard.read.remote`: an object store (S3, the Hub) through fsspec, read in bounded ranged requests with retries.
-- `JoinedStore`: two stores as one (a merge's `--extras-from` source beside the trained folder).
+- `reshard.read.joined`: two stores as one (a merge's `--extras-from` source beside the trained folder).
 """
 
 from __future__ import annotations
@@ -339,65 +339,3 @@ def _close_all(fds: dict[str, int]) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()
-
-
-class JoinedStore(Store):
-    """Two stores read as one: a name under `prefix` is `other`'s (a merge's `--extras-from` source beside the trained
-    folder), every other name `main`'s. Only `main`'s names are listed."""
-
-    def __init__(self, main: Store, prefix: str, other: Store):
-        self.main, self.prefix, self.other = main, prefix, other
-        self.location = main.location
-        self.remote = main.remote or other.remote
-
-    @property
-    def requests(self) -> int:
-        return self.main.requests + self.other.requests
-
-    def _route(self, name: str) -> tuple[Store, str]:
-        if name.startswith(self.prefix):
-            return self.other, name[len(self.prefix):]
-        return self.main, name
-
-    def url(self, name: str) -> str:
-        store, name = self._route(name)
-        return store.url(name)
-
-    def names(self) -> tuple[str, ...]:
-        return self.main.names()
-
-    def size(self, name: str) -> int:
-        store, name = self._route(name)
-        return store.size(name)
-
-    def read(self, name: str, start: int, length: int) -> bytes:
-        store, name = self._route(name)
-        return store.read(name, start, length)
-
-    def readinto(self, name: str, start: int, view: memoryview) -> None:
-        store, name = self._route(name)
-        store.readinto(name, start, view)
-
-    def local_path(self, name: str) -> Path | None:
-        store, name = self._route(name)
-        return store.local_path(name)
-
-    def descriptor(self, name: str) -> int:
-        store, name = self._route(name)
-        return store.descriptor(name)
-
-    def check_unchanged(self, name: str) -> None:
-        store, name = self._route(name)
-        store.check_unchanged(name)
-
-    def check_inside(self, name: str) -> None:
-        store, name = self._route(name)
-        store.check_inside(name)
-
-    def open(self, name: str):
-        store, name = self._route(name)
-        return store.open(name)
-
-    def close(self) -> None:
-        self.main.close()
-        self.other.close()

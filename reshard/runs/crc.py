@@ -16,6 +16,7 @@ where zlib's bit-serial products, written in Python, take about half a milliseco
 from __future__ import annotations
 
 import bisect
+import threading
 import zlib
 from array import array
 from functools import lru_cache
@@ -181,3 +182,46 @@ def whole_file_crc(reported, size: int, read_crc) -> int:
     if size > at:
         crc = crc32_combine(crc, read_crc(at, size - at), size - at)
     return crc
+
+
+class BlockCrcs:
+    """The CRC-32s of a file written in direct blocks: each block's, computed by the writer thread that writes it
+    (`digest`), combined in the file's order on the filling thread (`collect`) into the file's `crc`. A stretch tagged
+    `(segments, start)` is a checked source's bytes: its CRC-32 is also kept for that source range."""
+
+    def __init__(self, checksum: bool, lock: threading.Lock):
+        self.checksum, self.lock, self.crc = checksum, lock, 0
+
+    def digest(self, block: memoryview, stretches: list) -> list:
+        """`[nbytes, crc]` per piece of the block, in order: consecutive untagged stretches as one."""
+        pieces, plain = [], None
+        for start, nbytes, tag in stretches:
+            data = block[start:start + nbytes]
+            if tag is None:
+                if self.checksum:
+                    if plain is None:
+                        plain = [0, 0]
+                        pieces.append(plain)
+                    plain[0], plain[1] = plain[0] + nbytes, zlib.crc32(data, plain[1])
+                continue
+            crc, plain = zlib.crc32(data), None
+            with self.lock:
+                know_crc(tag[0], tag[1], data, crc)
+            pieces.append([nbytes, crc])
+        return pieces
+
+    def collect(self, pieces: list) -> None:
+        if self.checksum:
+            for nbytes, crc in pieces:
+                self.crc = crc32_combine(self.crc, crc, nbytes)
+
+
+def know_crc(segments: Segments, start: int, data: memoryview, crc: int) -> None:
+    """Keep `crc`, the CRC-32 of `data`, a checked source's bytes from `start`, for the parts not yet known."""
+    pieces = segments.split(start, start + len(data))
+    if len(pieces) == 1 and not pieces[0][2]:
+        segments.add(start, start + len(data), crc)
+    else:  # a range read again (a replicated tensor, in several output files) is kept once
+        for s, e, seen in pieces:
+            if not seen:
+                segments.add(s, e, zlib.crc32(data[s - start:e - start]))

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import OutputError
 from ..syscalls import Writeback, page_cache_room
 from .byte_runs import Run, chunk_runs, placed_runs
-from .crc import Segments, crc32_combine
+from .crc import BlockCrcs, Segments, crc32_combine
 from .direct import MIN_FILE_BYTES, BlockRing, DirectOutput
 from .fetch import fill_fetched
 from .source_check import SourceCrcs
@@ -351,49 +351,6 @@ class Engine:
                 n = min(len(view), run.nbytes - start)
                 self._read_into(Run(run.file, run.src + start, 0, n), view)
                 yield view[:n]
-
-
-class BlockCrcs:
-    """The CRC-32s of a file written in direct blocks: each block's, computed by the writer thread that writes it
-    (`digest`), combined in the file's order on the filling thread (`collect`) into the file's `crc`. A stretch tagged
-    `(segments, start)` is a checked source's bytes: its CRC-32 is also kept for that source range."""
-
-    def __init__(self, checksum: bool, lock: threading.Lock):
-        self.checksum, self.lock, self.crc = checksum, lock, 0
-
-    def digest(self, block: memoryview, stretches: list) -> list:
-        """`[nbytes, crc]` per piece of the block, in order: consecutive untagged stretches as one."""
-        pieces, plain = [], None
-        for start, nbytes, tag in stretches:
-            data = block[start:start + nbytes]
-            if tag is None:
-                if self.checksum:
-                    if plain is None:
-                        plain = [0, 0]
-                        pieces.append(plain)
-                    plain[0], plain[1] = plain[0] + nbytes, zlib.crc32(data, plain[1])
-                continue
-            crc, plain = zlib.crc32(data), None
-            with self.lock:
-                _know(tag[0], tag[1], data, crc)
-            pieces.append([nbytes, crc])
-        return pieces
-
-    def collect(self, pieces: list) -> None:
-        if self.checksum:
-            for nbytes, crc in pieces:
-                self.crc = crc32_combine(self.crc, crc, nbytes)
-
-
-def _know(segments: Segments, start: int, data: memoryview, crc: int) -> None:
-    """Keep `crc`, the CRC-32 of `data`, a checked source's bytes from `start`, for the parts not yet known."""
-    pieces = segments.split(start, start + len(data))
-    if len(pieces) == 1 and not pieces[0][2]:
-        segments.add(start, start + len(data), crc)
-    else:  # a range read again (a replicated tensor, in several output files) is kept once
-        for s, e, seen in pieces:
-            if not seen:
-                segments.add(s, e, zlib.crc32(data[s - start:e - start]))
 
 
 def _pwrite_all(fd: int, data, position: int) -> int:

@@ -143,7 +143,7 @@ def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIn
     holds only the tensors the model loads).
 
     The two become one source: `other`'s files are read through one store with the trained folder's, under the
-    prefix `EXTRAS_FROM` (`reshard.read.store.JoinedStore`), and a reshard folder's CRC-32s still check them.
+    prefix `EXTRAS_FROM` (`reshard.read.joined.JoinedStore`), and a reshard folder's CRC-32s still check them.
 
     Raises:
         UsageError: `other` is quantized (its extras are not bf16 bytes), holds no extras, or is another model (a
@@ -153,7 +153,7 @@ def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIn
     from dataclasses import replace
 
     from ..errors import UsageError
-    from ..read.store import JoinedStore
+    from ..read.joined import JoinedStore
 
     where = f"--extras-from {other.spec}"
     if layout.extras:

@@ -1,30 +1,24 @@
-"""Prove a written folder complete and exact: manifest vs files, coverage, empty markers, and bytes vs source.
-
-This proves the copying, not reshard's key mapping (which on-disk keys make which in-memory tensor): the bytes are
-compared with the source bytes that mapping names. The tests check the mapping against transformers' own load.
-Every file is read through its folder's store (`reshard.read.store`), so a folder in S3 is checked the same way.
-"""
+"""`reshard verify` of a reshard folder: manifest vs files, coverage, empty markers, CRC-32s, and bytes vs source."""
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .errors import ReshardError, UsageError, VerifyError
-from .manifest import copied_problems, coverage_problems, header_problems, read_manifest, tied_from_record
-from .plan.dtypes import DTYPE_BITS
-from .plan.mesh import ranks_text
-from .plan.ranks import RankSpans
-from .read.checkpoint import INDEX_NAME, header_of
-from .read.source import Kind, locate, open_source
-from .read.store import READ_BLOCK
-from .results import VerifyResult
-from .runs.byte_runs import Run, chunk_runs
-from .words import plural
-
-COMPARE_BLOCK = 1 << 20  # bytes compared at a time: one buffer per side
+from ..errors import ReshardError, VerifyError
+from ..manifest import copied_problems, coverage_problems, header_problems, read_manifest
+from ..plan.dtypes import DTYPE_BITS
+from ..plan.mesh import ranks_text
+from ..plan.ranks import RankSpans
+from ..read.checkpoint import INDEX_NAME, header_of
+from ..read.source import Kind, locate
+from ..read.store import READ_BLOCK
+from ..results import VerifyResult
+from ..runs.byte_runs import Run, chunk_runs
+from ..words import plural
+from .common import open_to_check
+from .merged import check_merged
 
 
 def check_folder(folder, *, against=None, revision: str | None = None, checksums: bool = True,
@@ -45,7 +39,7 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
     try:
         manifest = read_manifest(location.store)
     except VerifyError as e:
-        return _with(empty, problems=tuple(e.problems))
+        return replace(empty, problems=tuple(e.problems))
     if ranks is not None:
         manifest = manifest.for_ranks(ranks)
     problems: list[str] = []
@@ -70,10 +64,6 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
                         write_id=manifest.write_id)
 
 
-def _with(result: VerifyResult, **changes) -> VerifyResult:
-    from dataclasses import replace
-
-    return replace(result, **changes)
 
 
 def _holds_weights(store) -> bool:
@@ -167,19 +157,6 @@ def _check(manifest, listed: _Listed, against, revision, dequantized) -> tuple[i
     return compared, markers
 
 
-def _open(spec, *, revision: str | None = None):
-    """`open_source` for a check. verify writes nothing: a source's error worded for write and merge ("Nothing was
-    written.") says what is true here."""
-    import copy
-
-    try:
-        return open_source(spec, revision=revision)
-    except ReshardError as e:
-        if "Nothing was written." not in str(e):
-            raise
-        reworded = copy.copy(e)  # the same class (and exit code), path and fields
-        reworded.args = (str(e).replace("Nothing was written.", "Nothing was changed."),)
-        raise reworded from e
 
 
 def _check_extras(listed: _Listed, manifest, headers: dict, chunks: dict) -> None:
@@ -241,7 +218,7 @@ def _compare_with_source(out, headers, chunks, against, revision, problems, bar,
 def _same_copies(source, out, file: str, placed: list, problems: list[str], bar) -> int:
     """Compare the copied chunks of written file `file` (`(name, box, runs)`, each run's `dst` in the file) with the
     source, fetched in spans (`reshard.runs.fetch.spans`); each differing chunk is named once. Bytes compared."""
-    from .runs.fetch import spans
+    from ..runs.fetch import spans
 
     owner = {(run.file, run.src, run.dst): (name, box) for name, box, runs in placed for run in runs}
     differing, compared = [], 0
@@ -270,12 +247,12 @@ def _owner_of(placed: list, piece) -> tuple[str, tuple]:
 def _source_to_compare(against, revision):
     """(the source's index, its tensors by name with the extras under their keys, the `Dequantizer` of a quantized
     source or None), checked decodable before any byte is compared."""
-    source = _open(against, revision=revision)
+    source = open_to_check(against, revision=revision)
     source_layout = source.model_layout()
     layout = {**source_layout.by_name(), **{t.name: t for t in source_layout.extras}}
     if source.quantization is None:
         return source.index, layout, None
-    from .runs.dequant import Dequantizer, check_decodable
+    from ..runs.dequant import Dequantizer, check_decodable
 
     check_decodable(source.index)
     return source.index, layout, Dequantizer(source.index)
@@ -292,128 +269,3 @@ def _same_slabs(slabs, out, file: str, start: int, bar) -> tuple[bool, int]:
     return True, position - start
 
 
-# ---- a merged (plain Hugging Face) folder: `reshard merge` output -------------------------------------------------
-
-def check_merged(location, *, against=None, revision: str | None = None, progress: bool | None = None) -> VerifyResult:
-    """`check_folder` for a plain HF checkpoint (what `reshard merge` writes): the index agrees with the headers and
-    its `metadata.total_size`; with `against` (the original HF checkpoint, a reshard folder or a saved distributed
-    checkpoint), the key set is the source's on-disk one (`--layout original`) or its in-memory names (`fused`), and
-    every in-memory tensor, read through each side's own key mapping, equals the source's byte for byte."""
-    result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0, kind="merged")
-    try:
-        dest = _open(location.spec).index
-    except ReshardError as e:
-        return _with(result, problems=(str(e),))
-    problems: list[str] = []
-    metadata = _merge_metadata(dest.store)
-    if isinstance(metadata, str):
-        problems.append(metadata)
-    elif metadata is not None and metadata.get("total_size") != dest.total_bytes:
-        problems.append(f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')}, the tensors hold "
-                        f"{dest.total_bytes} bytes")
-    compared = 0
-    if against is not None and not problems:
-        extras_from = metadata.get("extras_from") if isinstance(metadata, dict) else None
-        compared = _compare_merged(dest, against, revision, extras_from, progress, problems)
-    return _with(result, ok=not problems, files=len(dest.files), tensors=len(dest.tensors),
-                 bytes_compared=compared, problems=tuple(problems))
-
-
-def _merge_metadata(store) -> dict | str | None:
-    """The `metadata` of a merged folder's index (None without an index; a problem as a string)."""
-    if INDEX_NAME not in store.names():
-        return None
-    try:
-        metadata = json.loads(store.read_all(INDEX_NAME, 64 << 20, "safetensors index"))["metadata"]
-        if not isinstance(metadata, dict):
-            raise TypeError("metadata is not an object")
-        return metadata
-    except (OSError, ValueError, KeyError, TypeError, ReshardError) as e:
-        return f"{INDEX_NAME}: no metadata.total_size ({type(e).__name__}: {e})"
-
-
-def _source_view(against, revision):
-    """(index, layout, the on-disk keys of the source layout, the in-memory names a fused copy holds)."""
-    source = _open(against, revision=revision)
-    index, layout = source.index, source.model_layout()
-    if source.kind is not Kind.CHECKPOINT:
-        original = None if index.original is None else {p[0] for pieces in index.original.values() for p in pieces}
-        tied = set(index.tied)
-    else:
-        if source.quantization is not None:
-            raise UsageError(f"{against} is a quantized checkpoint: a merged folder holds the bf16 values computed "
-                             "from it, not its bytes. Verify the merged folder against the reshard folder it was "
-                             "merged from, and that folder with `reshard verify OUT --against SRC`, which "
-                             "recomputes every dequantized chunk.")
-        original = {p.source for t in layout.tensors for p in t.pieces}
-        tied = set(tied_from_record({t.name: [(p.source,) for p in t.pieces] for t in layout.tensors}))
-    extras = {t.name for t in layout.extras}  # written back under their own keys in either layout
-    return (index, layout, None if original is None else original | extras,
-            ({t.name for t in layout.tensors} - tied) | extras)
-
-
-def _compare_merged(dest, against, revision, extras_from, progress, problems) -> int:
-    from tqdm.auto import tqdm
-
-    from .read.experts import find_experts
-
-    src_index, src_layout, original_keys, fused_keys = _source_view(against, revision)
-    sources = [(t, src_index) for t in (*src_layout.tensors, *src_layout.extras)]
-    if extras_from is not None and not src_layout.extras:  # a trained folder merged with `--extras-from`
-        extras_index, extras_layout, _, _ = _source_view(extras_from, None)
-        names = {t.name for t in extras_layout.extras}
-        original_keys = None if original_keys is None else original_keys | names
-        fused_keys |= names
-        sources += [(t, extras_index) for t in extras_layout.extras]
-    keys = set(dest.tensors)
-    if keys != original_keys and keys != fused_keys:
-        expected = original_keys if original_keys is not None else fused_keys
-        problems.append(f"the keys are neither the source's on-disk ones nor its in-memory names: missing "
-                        f"{sorted(expected - keys)[:3]}, extra {sorted(keys - expected)[:3]}")
-        return 0
-    try:
-        found = find_experts(dest)
-    except ReshardError as e:
-        problems.append(f"{dest.source}: {e}")
-        return 0
-    dest_layout = {**found.by_name(), **{t.name: t for t in found.extras}}
-    total = sum(t.numel * DTYPE_BITS[t.dtype] // 8 for t, _ in sources)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard verify",
-               disable=None if progress is None else not progress)
-    compared = 0
-    try:
-        for src, src_index in sources:
-            mine = dest_layout.get(src.name)
-            if mine is None or mine.shape != src.shape or mine.dtype != src.dtype:
-                problems.append(f"{src.name}: {'missing' if mine is None else f'{mine.dtype} {list(mine.shape)}'}, "
-                                f"the source has {src.dtype} {list(src.shape)}")
-                continue
-            box = tuple((0, n) for n in src.shape)
-            n = _compare_runs(chunk_runs(src, box, src_index.tensors), chunk_runs(mine, box, dest.tensors),
-                              src_index.store, dest.store, bar)
-            if n is None:
-                problems.append(f"{src.name}: differs from the source")
-            else:
-                compared += n
-    finally:
-        bar.close()
-    return compared
-
-
-def _compare_runs(a, b, store_a, store_b, bar) -> int | None:
-    """Compare two run lists tiling the same bytes (each sorted by `dst`) block by block; bytes compared, or None at
-    the first difference."""
-    i = j = position = 0
-    while i < len(a) and j < len(b):
-        ra, rb = a[i], b[j]
-        end = min(ra.dst + ra.nbytes, rb.dst + rb.nbytes, position + COMPARE_BLOCK)
-        n = end - position
-        if store_a.read(ra.file, ra.src + position - ra.dst, n) != store_b.read(rb.file, rb.src + position - rb.dst, n):
-            return None
-        bar.update(n)
-        position = end
-        if position == ra.dst + ra.nbytes:
-            i += 1
-        if position == rb.dst + rb.nbytes:
-            j += 1
-    return position

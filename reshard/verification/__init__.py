@@ -1,0 +1,11 @@
+"""Prove a written folder complete and exact: manifest vs files, coverage, empty markers, and bytes vs source.
+
+This proves the copying, not reshard's key mapping (which on-disk keys make which in-memory tensor): the bytes are
+compared with the source bytes that mapping names. The tests check the mapping against transformers' own load.
+Every file is read through its folder's store (`reshard.read.store`), so a folder in S3 is checked the same way.
+"""
+
+from .folder import check_folder
+from .merged import check_merged
+
+__all__ = ["check_folder", "check_merged"]
