@@ -1,6 +1,7 @@
 """Linux calls Python's `os` does not wrap (fallocate, renameat2, syncfs, sync_file_range), reached through ctypes;
 each is None where the platform or C library lacks it, and its callers fall back. Also the room the kernel leaves for
-dirty pages before it throttles writers (/proc/vmstat), which decides how the engine writes a large file."""
+dirty pages before it throttles writers (/proc/vmstat), which decides how the engine writes a large file. And the one
+loop that reads a byte range of a descriptor in full (`pread_full`), which every local read uses."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ import sys
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
 WRITEBACK_BYTES = 64 << 20  # an output file's pages are handed to the disk after each this many bytes written
+
+
+def pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read `len(view)` bytes of `fd` from `offset` into `view`, in as many calls as the kernel needs; the bytes read,
+    fewer only where the file ends first (the caller says what a short file means)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
 
 
 @functools.lru_cache(maxsize=None)

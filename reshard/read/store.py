@@ -22,6 +22,7 @@ import weakref
 from pathlib import Path, PurePosixPath
 
 from ..errors import CheckpointError, SourceChangedError
+from ..syscalls import pread_full
 
 READ_BLOCK = 32 << 20  # the largest ranged request: bounds the memory a remote read holds
 HEADER_PROBE = 64 << 10  # a header's first request: the length prefix and, almost always, the whole header
@@ -304,14 +305,11 @@ class LocalStore(Store):
         return os.dup(self._fd(name))
 
     def readinto(self, name: str, start: int, view: memoryview) -> None:
-        fd, done = self._fd(name), 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], start + done)
-            if got <= 0:
-                raise CheckpointError(f"{self.url(name)}: the file ends at byte {start + done}, before the "
-                                      f"{start + len(view)} its header says; it is truncated or changed. Copy it "
-                                      "again. Nothing was kept.", path=self.url(name))
-            done += got
+        done = pread_full(self._fd(name), view, start)
+        if done < len(view):
+            raise CheckpointError(f"{self.url(name)}: the file ends at byte {start + done}, before the "
+                                  f"{start + len(view)} its header says; it is truncated or changed. Copy it "
+                                  "again. Nothing was kept.", path=self.url(name))
 
     def open(self, name: str):
         f = open_regular(self.path(name), name)

@@ -24,6 +24,7 @@ from ..plan.dtypes import DTYPE_BITS
 from ..read.checkpoint import CheckpointIndex
 from ..read.safetensors_header import TensorEntry
 from ..errors import OutputError, QuantizationError
+from ..syscalls import pread_full
 from ..plan.layout import TargetTensor
 from ..plan.placement import Box, box_is_empty
 from ..read.quant import MXFP4_BLOCK, QuantizedTensor
@@ -117,13 +118,9 @@ class Dequantizer:
         if self.fds[entry.file] is None:  # a remote source: one ranged request per slab's rows
             self.index.store.readinto(entry.file, entry.data_start + first, memoryview(out))
             return out
-        view, done = memoryview(out), 0
-        while done < count:
-            got = os.preadv(self.fds[entry.file], [view[done:]], entry.data_start + first + done)
-            if got <= 0:
-                raise OutputError(f"{entry.file}: short read in {entry.name!r}; the source file is truncated or "
-                                  "changed during the write.")
-            done += got
+        if pread_full(self.fds[entry.file], memoryview(out), entry.data_start + first) < count:
+            raise OutputError(f"{entry.file}: short read in {entry.name!r}; the source file is truncated or "
+                              "changed during the write.")
         return out
 
     def _plain(self, entry: TensorEntry, lo: list[int], hi: list[int]):

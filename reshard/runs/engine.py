@@ -26,7 +26,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import OutputError
-from ..syscalls import Writeback, page_cache_room
+from ..syscalls import Writeback, page_cache_room, pread_full
 from .byte_runs import Run, chunk_runs, placed_runs
 from .crc import BlockCrcs, Segments, crc32_combine
 from .direct import MIN_FILE_BYTES, BlockRing, DirectOutput
@@ -211,9 +211,10 @@ class Engine:
         """`crc` continued over the `nbytes` source bytes of `run` from file offset `start`."""
         fd, done = self.sources[run.file], 0
         while done < nbytes and not self.stop.is_set():
-            got = os.preadv(fd, [view[:min(nbytes - done, len(view))]], start + done)
-            if got <= 0:
-                raise _short_read(run, start - run.src + done)
+            want = min(nbytes - done, len(view))
+            got = pread_full(fd, view[:want], start + done)
+            if got < want:
+                raise _short_read(run, start - run.src + done + got)
             crc = zlib.crc32(view[:got], crc)
             done += got
         return crc
@@ -242,7 +243,7 @@ class Engine:
                     raise
                 self.kernel_copy = False  # this kernel or filesystem pair cannot: copy through the buffer
         view = memoryview(self.buffer)[:min(n, len(self.buffer))]
-        got = os.preadv(src_fd, [view], src)
+        got = pread_full(src_fd, view, src)
         written = 0
         while written < got:
             written += os.pwrite(out_fd, view[written:got], dst + written)
@@ -253,12 +254,9 @@ class Engine:
         if not self._local(run.file):
             self.index.store.readinto(run.file, run.src, view[:run.nbytes])
             return
-        fd, done = self._fd(run.file), 0
-        while done < run.nbytes:
-            got = os.preadv(fd, [view[done:run.nbytes]], run.src + done)
-            if got <= 0:
-                raise _short_read(run, done)
-            done += got
+        done = pread_full(self._fd(run.file), view[:run.nbytes], run.src)
+        if done < run.nbytes:
+            raise _short_read(run, done)
 
     # ---- copying around the page cache -------------------------------------------------------------------------
 
