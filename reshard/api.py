@@ -183,13 +183,10 @@ def verify(out, *, against=None, revision: str | None = None, checksums: bool = 
         VerifyError: listing every problem found, one per line.
     """
     from .errors import VerifyError
-    from .manifest import read_manifest
-    from .read.source import locate
+    from .read.source import open_folder
 
-    location = locate(out, outside_links=True)
-    if location.kind is Kind.RESHARD:
-        read_manifest(location.store)  # an unsound manifest raises its own ManifestError before any file is read
-    result = verify_folder(out, against=against, revision=revision, checksums=checksums, progress=progress,
+    # opened once; an unsound manifest raises its own ManifestError before any file is read
+    result = verify_folder(open_folder(out, need_manifest=False), against=against, revision=revision, checksums=checksums, progress=progress,
                            ranks=ranks)
     if not result.ok:
         raise VerifyError(list(result.problems))
@@ -205,12 +202,11 @@ def list_files(out, ranks) -> FilesResult:
         UsageError: a rank outside the folder's mesh (nothing is expanded then), or one whose files a node's copy
             does not hold.
     """
-    from .manifest import read_manifest
     from .plan.ranks import RankSpans
-    from .read.source import locate
+    from .read.source import open_folder
 
-    store = locate(out).store
-    manifest = read_manifest(store)
+    opened = open_folder(out)
+    store, manifest = opened.store, opened.manifest
     spans = ranks if isinstance(ranks, RankSpans) else RankSpans.of(ranks)
     chosen = spans.expand(manifest.mesh.world_size)  # bounded by the mesh before any span is expanded
     if lacking := [r for r in chosen if not manifest.holds_rank(r)]:  # a node's copy: it cannot stage other ranks

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from ..errors import LoadError, ReshardError, VerifyError
 from ..launch import gather, raise_if_any
-from ..manifest import (MANIFEST_NAME, Manifest, copied_problems, different_writes, header_problems, read_manifest,
+from ..manifest import (MANIFEST_NAME, Manifest, copied_problems, different_writes, header_problems,
                         write_label)
 from ..plan.ranks import RankSpans
 from ..read.checkpoint import header_of
-from ..read.source import locate
+from ..read.source import open_folder
 
 _MESH_FIELDS = ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size")
 
@@ -129,10 +129,10 @@ def _local_checks(folder, distributed_config, rank: int, world: int, *, require_
     """This rank's view before loading: (has a manifest, the manifest or None, its store, a problem or None).
     Never raises."""
     try:
-        store = locate(folder, outside_links=True).store
-        if not require_manifest and not store.exists(MANIFEST_NAME):
+        opened = open_folder(folder, need_manifest=require_manifest)
+        if opened.manifest is None:
             return False, None, None, None
-        manifest = read_manifest(store)
+        store, manifest = opened.store, opened.manifest
     except VerifyError as e:
         return False, None, None, "; ".join(e.problems)
     except Exception as e:  # noqa: BLE001  raising here alone would leave the other ranks in the gather

@@ -69,8 +69,8 @@ def from_pretrained(folder: str | os.PathLike, model_class=None, *, distributed_
         with showing(shown):
             if not in_distributed_job():
                 shown.phase("starting in one process (the whole model)")
-                store = _store_of(folder)
-                manifest = _manifest_of(store)
+                opened = _opened(folder)
+                store, manifest = opened.store, opened.manifest
                 model = _load_whole(store, manifest, _model_class(manifest, model_class),
                                     check_checksums=check_checksums, **kwargs)
             else:
@@ -96,17 +96,17 @@ def _load_distributed(folder, model_class, distributed_config, check_checksums: 
                 local, distributed_config=agreed.distributed_config, **kwargs)
 
 
-def _store_of(folder):
-    from ..read.source import locate
+def _opened(folder):
+    """The folder opened once (`reshard.read.source.open_folder`): a ManifestError is a LoadError already, any other
+    error becomes one."""
+    from ..read.source import open_folder
 
     try:
-        return locate(folder, outside_links=True).store
+        return open_folder(folder)
+    except LoadError:
+        raise
     except ReshardError as e:
         raise LoadError(str(e)) from e
-
-
-def _manifest_of(store) -> Manifest:
-    return read_manifest(store)  # its ManifestError is a LoadError too
 
 
 FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -152,8 +152,11 @@ def assemble_state_dict(folder, *, check_checksums: bool = True) -> dict:
     Raises:
         LoadError: the manifest is missing or unreadable, a tensor is not covered, or a file is missing or corrupt.
     """
-    store = folder if hasattr(folder, "read_all") else _store_of(folder)
-    manifest = _manifest_of(store)
+    if hasattr(folder, "read_all"):  # a store given: its manifest
+        store, manifest = folder, read_manifest(folder)  # a ManifestError is a LoadError
+    else:
+        opened = _opened(folder)
+        store, manifest = opened.store, opened.manifest
     current().phase(f"checking {len(manifest.files)} files" + (" (CRC-32 and headers)" if check_checksums else "")
                     + " and that they cover every tensor")
     problems = coverage_problems(manifest)

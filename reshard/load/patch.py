@@ -352,7 +352,6 @@ def _wrap_from_pretrained(original):
         from pathlib import Path
 
         from ..launch import multi_rank_job
-        from ..manifest import read_manifest
         from .agreement import agree_for_pretrained, may_hold_reshard_files
 
         folder = None if pretrained_model_name_or_path is None else Path(os.fspath(pretrained_model_name_or_path))
@@ -363,15 +362,15 @@ def _wrap_from_pretrained(original):
         active = _active_manifest.get()  # set by reshard.from_pretrained, which has checked and agreed already
         direct = all(kwargs.get(k) is None for k in ("state_dict", "gguf_file")) and not kwargs.get("subfolder")
         if active is None and folder is not None and direct and multi_rank_job() and may_hold_reshard_files(folder):
-            active, kwargs["distributed_config"] = agree_for_pretrained(folder, kwargs.get("distributed_config"),
-                                                          need_config=kwargs.get("config") is None)
+            active, kwargs["distributed_config"] = agree_for_pretrained(
+                folder, kwargs.get("distributed_config"), need_config=kwargs.get("config") is None)
         if active is None and folder is not None and (folder / MANIFEST_NAME).is_file():
-            from ..read.source import locate
+            from ..read.source import open_folder
             from .agreement import check_copied
 
-            store = locate(folder, outside_links=True).store
-            active = read_manifest(store), store  # validated, version included (ManifestError, a LoadError)
-            check_copied(active[0], store, need_config=kwargs.get("config") is None)
+            opened = open_folder(folder)  # validated, version included (ManifestError, a LoadError)
+            active = opened.manifest, opened.store
+            check_copied(opened.manifest, opened.store, need_config=kwargs.get("config") is None)
         if active is None:
             token = _dcp_path.set(False)  # a checkpoint loaded inside a reshard load is an ordinary one
             try:

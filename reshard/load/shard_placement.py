@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..errors import LoadError
-from ..manifest import Manifest, read_manifest
+from ..manifest import Manifest
 
 
 def shard_placement_fn(out: str | os.PathLike | Manifest, model=None):
@@ -38,9 +38,9 @@ def shard_placement_fn(out: str | os.PathLike | Manifest, model=None):
         >>> fully_shard(layer.mlp.experts, mesh=expert_mesh["efsdp"], shard_placement_fn=fn)  # doctest: +SKIP
     """
     if not isinstance(out, Manifest):
-        from ..read.source import locate
+        from ..read.source import open_folder
 
-        out = read_manifest(locate(out, outside_links=True).store)  # a ManifestError is a LoadError
+        out = open_folder(out).manifest  # a ManifestError is a LoadError
     return _SplitDims(out, model)
 
 

@@ -83,14 +83,20 @@ class StorageReader(HuggingFaceStorageReader):
 
     def __init__(self, path: str | os.PathLike | Manifest, thread_count: int = 1, *, check_checksums: bool = True,
                  store=None):
-        from ..read.source import locate
+        from ..read.source import open_folder
 
+        manifest = path if isinstance(path, Manifest) else None
         if store is None:
             try:
-                store = locate(path.where if isinstance(path, Manifest) else path, outside_links=True).store
+                opened = open_folder(path.where if manifest is not None else path, need_manifest=False)
+            except LoadError:
+                raise
             except ReshardError as e:
                 raise LoadError(str(e)) from e
-        if not isinstance(path, Manifest) and not store.exists(MANIFEST_NAME):
+            store, manifest = opened.store, manifest or opened.manifest
+        elif manifest is None and store.exists(MANIFEST_NAME):
+            manifest = read_manifest(store)  # a ManifestError is a LoadError
+        if manifest is None:
             if store.remote:
                 raise LoadError(f"{store.location}: no {MANIFEST_NAME}; from an object store reshard reads reshard "
                                 "folders only (`reshard write`). Copy the folder to a file system to read it with "
@@ -102,7 +108,6 @@ class StorageReader(HuggingFaceStorageReader):
             self.check_checksums = False
             self.checked_files, self.unchecked_files = [], []
             return
-        manifest = path if isinstance(path, Manifest) else read_manifest(store)  # a ManifestError is a LoadError
         super().__init__(getattr(store, "root", None) or store.location, thread_count)
         self.manifest, self.store, self.chunk_map = manifest, store, ChunkMap(manifest)
         self.check_checksums = check_checksums

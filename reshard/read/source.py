@@ -1,4 +1,5 @@
-"""One place that decides what a source is: `locate` and `open_source`, used by every command and the loader.
+"""One place that decides what a source is: `locate` and `open_source`, used by every command and the loader, and
+`open_folder`, the one way a reshard folder is opened (its store and its manifest, together).
 
 SRC (and a folder to load) may be:
 
@@ -25,7 +26,7 @@ from enum import Enum
 from pathlib import Path
 
 from ..errors import CheckpointError, UsageError
-from ..manifest import MANIFEST_NAME, SHARD_FILE_NAME
+from ..manifest import MANIFEST_NAME, SHARD_FILE_NAME, Manifest, read_manifest
 from .checkpoint import CheckpointIndex, checkpoint_index
 from .hub import cache_repo_of, hub_store
 from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, S3Store
@@ -82,6 +83,32 @@ class Location:
     def absolute(self) -> str:
         """The source as another process, in another folder, can open it again: a local path made absolute."""
         return os.path.abspath(self.spec) if self.where in (Where.LOCAL, Where.HF_CACHE) else self.spec
+
+
+@dataclass(frozen=True)
+class Folder:
+    """A reshard folder opened once: where it is and its validated manifest (None: a folder without one, opened with
+    `need_manifest=False`). Commands and the loader open a folder here and pass this value down."""
+
+    location: Location
+    manifest: Manifest | None
+
+    @property
+    def store(self) -> Store:
+        return self.location.store
+
+
+def open_folder(spec, *, need_manifest: bool = True) -> Folder:
+    """Open the reshard folder (or node's copy) `spec`, local or remote: its links may point anywhere the user chose.
+
+    Raises:
+        ReshardError: the folder cannot be found or listed.
+        ManifestError: its `reshard.json` is missing (unless `need_manifest` is False), unreadable or unsound.
+    """
+    location = locate(spec, outside_links=True)
+    if not need_manifest and not location.store.exists(MANIFEST_NAME):
+        return Folder(location, None)
+    return Folder(location, read_manifest(location.store))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from ..plan.dtypes import DTYPE_BITS
 from ..plan.mesh import ranks_text
 from ..plan.ranks import RankSpans
 from ..read.checkpoint import INDEX_NAME, header_of
-from ..read.source import Kind, locate
+from ..read.source import Folder, Kind, open_folder
 from ..read.store import READ_BLOCK
 from ..results import VerifyResult
 from ..runs.byte_runs import Run, chunk_runs
@@ -32,12 +32,16 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
         ReshardError: the source given as `against` cannot be read.
         UsageError: `ranks` outside the mesh or the copy.
     """
-    location = locate(folder, outside_links=True)
-    if location.kind is Kind.CHECKPOINT and _holds_weights(location.store):
-        return check_merged(location, against=against, revision=revision, progress=progress)
-    empty = VerifyResult(False, str(folder), None if against is None else str(against), 0, 0, 0, 0)
+    spec = folder.location.spec if isinstance(folder, Folder) else str(folder)
+    empty = VerifyResult(False, spec, None if against is None else str(against), 0, 0, 0, 0)
     try:
-        manifest = read_manifest(location.store)
+        if not isinstance(folder, Folder):  # a path or URL, opened here once (`reshard.api` passes it opened)
+            folder = open_folder(folder, need_manifest=False)
+        location, manifest = folder.location, folder.manifest
+        if manifest is None and location.kind is Kind.CHECKPOINT and _holds_weights(location.store):
+            return check_merged(location, against=against, revision=revision, progress=progress)
+        if manifest is None:
+            read_manifest(location.store)  # raises the ManifestError that says what is missing
     except VerifyError as e:
         return replace(empty, problems=tuple(e.problems))
     if ranks is not None:
@@ -58,7 +62,7 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
     finally:
         bar.close()
     problems = corrupt + problems
-    return VerifyResult(not problems, str(folder), empty.against, len(manifest.files), len(manifest.tensors),
+    return VerifyResult(not problems, empty.folder, empty.against, len(manifest.files), len(manifest.tensors),
                         markers, compared, tuple(dequantized), tuple(problems),
                         ranks=None if manifest.holds is None else str(RankSpans(manifest.holds)),
                         write_id=manifest.write_id)
