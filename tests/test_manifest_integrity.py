@@ -3,8 +3,9 @@ typed value before anything uses it, and every header is compared with it wherev
 
 Every case must end in a `ReshardError` (exit 1 in the CLI) or in an exact load; never another exception, never a
 read outside the folder, never a hang (each case runs under an alarm). The property tests mutate manifests and
-headers over thousands of cases; the explicit tests pin each row of the fault table (`docs/faults.md`, "Damaged or
-hostile folders").
+headers over thousands of cases and assert that verify and the loaders agree (`outcome`): what verify passes loads
+exactly, what a loader refuses verify refuses too; the explicit tests pin each row of the fault table
+(`docs/faults.md`, "Damaged or hostile folders").
 """
 
 from __future__ import annotations
@@ -534,15 +535,24 @@ def _apply(doc, path: tuple, action: str, value):
 
 OUTCOMES: dict[str, int] = {}  # how many cases ended each way (printed with -s: the mix the mutations reach)
 
+# What verify checks that no load needs: the copied non-weight files other than config.json (a tokenizer file
+# missing does not stop a load, `reshard.load.agreement.check_copied`). Only such problems may leave verify refusing a
+# folder that loads exactly.
+_NOT_LOADED = re.compile(r"(?!config\.json:)[^:]*: missing, though reshard\.json lists it as copied from the source; ")
+
 
 def outcome(folder: Path, reference: dict, *, reader: bool = True) -> str:
-    """`refused` (a ReshardError) or `exact` for each reader of a folder: verify, the one-process load, the storage
-    reader (`reader`: it costs most) and the source reader (merge, mesh to mesh); anything else fails the case."""
+    """How verify and the loaders (the one-process load; the storage reader when `reader`: it costs most) end on a
+    folder, asserting that they agree: `exact` (verify passes, every loader loads the reference exactly), `refused`
+    (verify reports problems, every loader raises a ReshardError) or `verify-only` (verify reports only copied files
+    a load does not read, `_NOT_LOADED`, and every loader loads exactly). The source reader (merge, mesh to mesh)
+    must end in a ReshardError or a source. Anything else fails the case: a raw exception, a loader that loads what
+    verify refuses or refuses what verify passes, two loaders that disagree."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     results = []
     with alarm():
-        check_folder(folder)  # problems are returned; a raw exception fails
+        verified = check_folder(folder)  # problems are returned; a raw exception fails
         try:
             assert_exact(assemble_state_dict(folder), reference)
             results.append("exact")
@@ -564,7 +574,17 @@ def outcome(folder: Path, reference: dict, *, reader: bool = True) -> str:
             open_source(folder)
         except ReshardError:
             pass
-    kind = "exact" if set(results) == {"exact"} else "refused" if set(results) == {"refused"} else "mixed"
+    assert len(set(results)) == 1, f"the loaders disagree ({results}); verify: {verified.problems}"
+    (loaded,) = set(results)
+    if verified.ok:
+        assert loaded == "exact", "verify passed a folder a loader refuses"
+        kind = "exact"
+    elif loaded == "refused":
+        kind = "refused"
+    else:
+        assert all(_NOT_LOADED.match(p) for p in verified.problems), f"verify refused a folder that loads: " \
+            f"{verified.problems}"
+        kind = "verify-only"
     OUTCOMES[kind] = OUTCOMES.get(kind, 0) + 1
     return kind
 

@@ -9,6 +9,7 @@ error with nothing written), the overwrite rules, an interrupted merge, old mani
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -135,11 +136,11 @@ def test_verify_of_a_merged_folder_catches_a_changed_byte(written, tmp_path):
 
 # ---- bad inputs: a clear message, nothing written -------------------------------------------------------------
 
-def _refused(source: Path, dest: Path, *needles: str, layout: str = "original") -> str:
-    with pytest.raises(CheckpointError) as info:
+def _refused(source: Path, dest: Path, said: str, *more: str, layout: str = "original") -> str:
+    with pytest.raises(CheckpointError, match=re.escape(said)) as info:
         merge_checkpoint(source, dest, layout=layout, progress=False)
     message = str(info.value)
-    for needle in needles:
+    for needle in more:
         assert needle in message, message
     assert "Nothing was written" in message
     nothing_beside(dest)

@@ -384,7 +384,7 @@ def test_a_quantized_source_without_the_flag_is_a_usage_error(models, tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(UsageError, match="--dequantize bf16"):
         write_checkpoint(src, tmp_path / "out", EMPTY_MESH, progress=False)
-    with pytest.raises(QuantizationError):  # a scale with no weight
+    with pytest.raises(QuantizationError, match=r"scale 'a\.weight_scale_inv' has no weight 'a\.weight' beside it"):
         index_dir = tmp_path / "lonely"
         index_dir.mkdir()
         save_file({"a.weight_scale_inv": torch.ones(1, 1)}, index_dir / "model.safetensors")

@@ -250,6 +250,35 @@ def test_a_load_from_s3_in_small_ranges_is_exact_and_a_failing_range_stops_it(s3
     assert _fetch_threads() == []
 
 
+READ_BLOCK = 10007  # the largest single GET lowered far below every range and run: each read is several requests, the
+# last of each read shorter than the others (a prime: it divides no tensor's bytes)
+
+
+def test_reads_longer_than_a_request_land_in_place_for_write_and_load(s3, uploaded, tmp_path, monkeypatch):
+    """A read longer than `READ_BLOCK` (a fetched range, a file read ahead, a CRC pass) is split into several GETs,
+    each written into its own part of the buffer: the write and the load from S3 equal the local ones byte for byte
+    (the ranges of `fetch` and `range_file` stay at their sizes, so every read of data is split)."""
+    import torch
+
+    import reshard
+    import reshard.read.remote as remote
+
+    src, folder, url = uploaded
+    monkeypatch.setattr(remote, "READ_BLOCK", READ_BLOCK)
+    write_checkpoint(url["src"], tmp_path / "remote", MESH, progress=False)
+    write_checkpoint(src, tmp_path / "local", MESH, progress=False)
+    same_folders(tmp_path / "remote", tmp_path / "local")
+    reference = reshard.from_pretrained(folder).state_dict()
+    s3.clear_log()
+    model = reshard.from_pretrained(url["folder"])
+    assert all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())
+    name = min(p.name for p in folder.glob("shard-*.safetensors"))
+    lengths = [int(b) - int(a) + 1 for a, b in (r.range.removeprefix("bytes=").split("-")
+                                                for r in s3.requests(method="GET", key=f"folder/{name}"))]
+    assert max(lengths) == READ_BLOCK and len(lengths) > 10, lengths  # the patched size is the one in use
+    assert _fetch_threads() == []
+
+
 # ---- loading from S3 ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # 4-rank loads from S3
