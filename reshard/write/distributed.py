@@ -29,6 +29,7 @@ from ..signals import sigterm_as_interrupt
 from .output import NodeCopy, NodeOutcome, in_unit_order, progress_bar
 from .nodes import Nodes, node_key
 from .ranks import POLL_S, STALE_S, Agreed, Ranks, Stopped, StoreProgress, agreed
+from .spread import upload_parts, wait_for_senders
 from .staged import output_error, remove_temporary
 from .workers import assign_shares
 
@@ -79,6 +80,7 @@ class _Rank:
                  list_from=None):
         self.ranks, self.out, self.overwrite, self.progress = ranks, out, overwrite, progress
         self.node_local, self.gather_from, self.list_from = node_local, gather_from, list_from
+        self.spread = gather_from is not None and not isinstance(out, Path)  # into a bucket: `reshard.write.spread`
         self.peers = self.store = None  # gathering from every node: the requests, and the joined folder
         self.lock = contextlib.ExitStack()
         self.stage = None  # the claimed OUT, on the rank that leads the team
@@ -276,15 +278,8 @@ class _Rank:
                 self.peers.done()
         return self._gather_entries(job, pairs, result, source_crcs)
 
-    @property
-    def spread(self) -> bool:
-        """A merge across nodes into a bucket: every node uploads the parts its disk holds (`reshard.write.spread`)."""
-        return self.gather_from is not None and not isinstance(self.out, Path)
-
     def _spread_share(self, job):
         """Every rank (the other nodes' build the job now) sends its parts of the uploads rank 0 opened."""
-        from .spread import upload_parts
-
         ranks, problem, ids, records, result, source_crcs = self.ranks, None, None, None, None, None
         try:
             job = job or self.read_job(self.store)
@@ -488,8 +483,6 @@ class _Rank:
         ranks, interrupted = self.ranks, isinstance(e, KeyboardInterrupt)
         if self.stage is not None and (not self.handed_over or self.node_local) and not self._completed():
             if self.spread:
-                from .spread import wait_for_senders
-
                 wait_for_senders(ranks)  # a part sent after the abort could bring its upload back
             self.stage.discard(interrupted=e if interrupted else None)
         elif self.uploads is not None and not self.handed_over and self.stage is None:
