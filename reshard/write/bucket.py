@@ -34,7 +34,9 @@ from ..read.remote import ATTEMPTS, BACKOFF_S, transient
 from ..words import plural
 from . import files
 
-PART_BYTES = 16 << 20  # S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold
+# S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold. RESHARD_S3_PART_MIB sets
+# another (5 at least): smaller parts spread a merge across nodes more evenly (`reshard.write.spread`)
+PART_BYTES = max(5, int(os.environ.get("RESHARD_S3_PART_MIB") or 16)) << 20
 MAX_PARTS = 10_000  # S3's limit per upload: a larger file gets larger parts
 PARTS_IN_FLIGHT = 4
 FILES_QUEUED = 1  # whole files waiting in the spool while the next is filled
