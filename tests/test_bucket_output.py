@@ -4,6 +4,7 @@ before anything is read, and nothing left behind by a failure, a SIGTERM or a se
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -276,38 +277,117 @@ def test_a_server_that_goes_away_mid_upload_ends_in_a_clear_error(folder):
 
 # ---- merge across nodes into a bucket -------------------------------------------------------------------------------
 
-def test_a_merge_across_nodes_into_a_bucket_equals_the_local_merge(s3, s3_bucket, tiny, tmp_path):
-    """2 simulated nodes x 2 ranks: a node-local write, then `merge --node-local` into s3://. The objects equal a merge
-    of the same files on one machine; node 0's ranks send every object (node 1's bytes reach them over the process
-    group), each rank from its own access key, and rank 0 completes every upload."""
+def merge_across_nodes(s3, bucket: str, tiny, tmp_path, prefix: str, max_shard_size: int, *, model=None, **run):
+    """2 simulated nodes x 2 ranks: a node-local write, then `merge --node-local` into s3://bucket/prefix; the log is
+    cleared before the merge. Returns (the merge's `NodesResult`, the same merge on one machine as files)."""
     from nodes import run_nodes
 
-    src = tiny("qwen3_moe", experts=4)
-    mount_at, reports = tmp_path / "disk", tmp_path / "reports"
+    src = tiny("qwen3_moe", **(model or {"experts": 4}))
+    mount_at = tmp_path / "disk"
     node_dirs = [tmp_path / "node0", tmp_path / "node1"]
-    for d in (mount_at, reports, *node_dirs):
+    for d in (mount_at, *node_dirs):
         d.mkdir()
-    env = {**s3.environ("ranks"), "PYTHONPATH": str(REPO)}
+    env = {**s3.environ("ranks"), "PYTHONPATH": str(REPO), "RESHARD_S3_PART_MIB": "5"}
     write = run_nodes("cli_as_rank.py", "write", src, mount_at / "ep", "--fsdp", 4, "--ep", 2, "--node-local", "-q",
                       mount_at=mount_at, node_dirs=node_dirs, env=env, timeout=240)
     assert [n.returncode for n in write.nodes] == [0, 0], [n.stderr[-3000:] for n in write.nodes]
     s3.clear_log()
-    merge = run_nodes("cli_as_rank.py", "merge", mount_at / "ep", f"s3://{s3_bucket}/merged", "--node-local",
-                      "--max-shard-size", 150_000, "-q", mount_at=mount_at, node_dirs=node_dirs, env=env, timeout=240)
-    assert [n.returncode for n in merge.nodes] == [0, 0], [n.stderr[-3000:] for n in merge.nodes]
+    merge = run_nodes("cli_as_rank.py", "merge", mount_at / "ep", f"s3://{bucket}/{prefix}", "--node-local",
+                      "--max-shard-size", max_shard_size, "-q", mount_at=mount_at, node_dirs=node_dirs, env=env,
+                      timeout=240, **run)
     write_checkpoint(src, tmp_path / "whole", MeshSpec(fsdp=4, ep=2), progress=False)
-    merge_checkpoint(tmp_path / "whole", tmp_path / "reference", max_shard_size=150_000, progress=False)
-    assert objects(s3, s3_bucket, "merged") == files_of(tmp_path / "reference")
+    merge_checkpoint(tmp_path / "whole", tmp_path / "reference", max_shard_size=max_shard_size, progress=False)
+    return merge, files_of(tmp_path / "reference")
+
+
+def sent_per_node(s3, bucket: str) -> dict[int, int]:
+    """Bytes of every PUT (parts and objects) by node, from the access keys `rank{RANK}` (2 ranks per node)."""
+    sent: dict[int, int] = {}
+    for r in s3.requests(bucket=bucket, method="PUT"):
+        node = int(r.access_key.removeprefix("rank")) // 2
+        sent[node] = sent.get(node, 0) + r.received
+    return sent
+
+
+def test_a_merge_across_nodes_into_a_bucket_equals_the_local_merge(s3, s3_bucket, tiny, tmp_path):
+    """The objects equal a merge of the same files on one machine; each node sends the files whose bytes it holds
+    (here each file is one part), and rank 0 completes every upload."""
+    merge, reference = merge_across_nodes(s3, s3_bucket, tiny, tmp_path, "merged", 150_000)
+    assert [n.returncode for n in merge.nodes] == [0, 0], [n.stderr[-3000:] for n in merge.nodes]
+    assert objects(s3, s3_bucket, "merged") == reference
+    sent = sent_per_node(s3, s3_bucket)
+    total = sum(len(b) for b in reference.values())
+    assert sum(sent.values()) == total and 0 < sent[0] < total and 0 < sent[1] < total, sent
     log = s3.requests(bucket=s3_bucket)
-    sent: dict[str, int] = {}
-    for r in log:
-        if r.method == "PUT":
-            sent[r.access_key] = sent.get(r.access_key, 0) + r.received
-    assert set(sent) <= {"rank0", "rank1"} and sum(sent.values()) == sum(
-        len(b) for b in files_of(tmp_path / "reference").values())
     assert {r.access_key for r in log if r.method == "POST" and "uploadId=" in r.query} == {"rank0"}
     assert open_uploads(s3, s3_bucket) == []
-    print(f"merge across nodes into s3: bytes sent per rank {sent}")
+    print(f"merge across nodes into s3: bytes sent per node {sent} of {total}")
+
+
+@pytest.mark.slow  # simulated nodes, 60 MB through the process group and the bucket
+def test_every_node_uploads_its_share_of_a_multipart_merge(s3, s3_bucket, tiny, tmp_path):
+    """Files of several 5 MiB parts (RESHARD_S3_PART_MIB) whose bytes lie on both nodes: every node sends parts of them, about its share,
+    a part spanning both nodes' bytes filled over the process group; the objects equal the local merge."""
+    merge, reference = merge_across_nodes(s3, s3_bucket, tiny, tmp_path, "parts", 40_000_000,
+                                          model={"experts": 4, "vocab_size": 80_000})
+    assert [n.returncode for n in merge.nodes] == [0, 0], [n.stderr[-3000:] for n in merge.nodes]
+    assert objects(s3, s3_bucket, "parts") == reference
+    largest = max(len(b) for b in reference.values())
+    parts = [r for r in s3.requests(bucket=s3_bucket, method="PUT") if "partNumber=" in r.query]
+    by_file: dict[str, set] = {}
+    for r in parts:
+        by_file.setdefault(r.key, set()).add(int(r.access_key.removeprefix("rank")) // 2)
+    assert largest > 3 * SMALL_PART and any(nodes == {0, 1} for nodes in by_file.values()), by_file
+    sent = sent_per_node(s3, s3_bucket)
+    total = sum(len(b) for b in reference.values())
+    assert sum(sent.values()) == total and all(0.25 * total < sent[n] < 0.75 * total for n in (0, 1)), sent
+    assert open_uploads(s3, s3_bucket) == []
+    print(f"multipart merge across nodes into s3: bytes sent per node {sent} of {total}")
+
+
+@pytest.mark.slow  # simulated nodes
+def test_sigterm_mid_upload_across_nodes_leaves_no_marker_and_no_upload(s3, s3_bucket, tiny, tmp_path):
+    """SIGTERM to every rank (as torchrun forwards it) while a part is held by the server: every upload is aborted,
+    no marker is written, nothing stays in the multipart listing."""
+    import threading
+
+    s3.stall_next(1, 60, methods=("PUT",))
+    done: dict = {}
+    worker = threading.Thread(target=lambda: done.update(result=merge_across_nodes(
+        s3, s3_bucket, tiny, tmp_path, "cut", 40_000_000, model={"experts": 4, "vocab_size": 80_000})))
+    worker.start()
+    deadline = time.monotonic() + 240
+    while not s3.requests(wait=0, fault="stall", prefix="cut/"):
+        assert worker.is_alive() and time.monotonic() < deadline
+        time.sleep(0.1)
+    pids = rank_pids(f"s3://{s3_bucket}/cut")
+    assert len(pids) == 4, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(2)
+    s3.release_stalls()
+    worker.join(240)
+    merge, _ = done["result"]
+    assert all(n.returncode != 0 for n in merge.nodes), [(n.returncode, n.stderr[-2000:]) for n in merge.nodes]
+    err = "".join(n.stderr for n in merge.nodes)
+    assert "no commit marker was written" in err, err[-3000:]
+    assert not {"config.json", "model.safetensors.index.json"} & set(objects(s3, s3_bucket, "cut"))
+    s3.wait_idle(30)
+    assert open_uploads(s3, s3_bucket) == []
+
+
+def rank_pids(argument: str) -> list[int]:
+    """The rank processes (not their torchrun agents) this test started whose arguments hold `argument`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().decode().split("\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if (argument in args and "torch.distributed.run" not in args
+                and any(a.endswith("cli_as_rank.py") for a in args)):
+            found.append(int(entry.name))
+    return found
 
 
 def test_a_merge_by_worker_processes_into_a_bucket_is_the_same(s3, s3_bucket, folder, tmp_path):

@@ -98,7 +98,7 @@ def fill_fetched(engine, out_fd: int, header: bytes, runs: list[Run]) -> int:
                 _pwrite_all(out_fd, piece, run.dst)
                 writeback.wrote(run.nbytes)
                 crcs[run.dst] = (zlib.crc32(piece), run.nbytes)
-                _remember(engine.source_crcs.segments(run.file), run, piece, crcs[run.dst][0])
+                remember(engine.source_crcs.segments(run.file), run, piece, crcs[run.dst][0])
                 if engine.progress is not None:
                     engine.progress.update(run.nbytes)
     finally:
@@ -119,7 +119,7 @@ def _buffer(engine, slot: int, nbytes: int) -> memoryview:
     return memoryview(buffers[slot])
 
 
-def _remember(known, run: Run, piece, crc: int) -> None:
+def remember(known, run: Run, piece, crc: int) -> None:
     """Record the CRC-32 of the ranges of `run` a checked source file has not had yet (a range read again, a
     replicated tensor in several files, is kept once); `crc` is the whole run's."""
     if known is None:

@@ -5,4 +5,4 @@ Its modules are what it exports (`__all__`); their names are used through them, 
 """
 
 __all__ = ["bucket", "distributed", "durable", "files", "lock", "merge", "nodes", "output", "peers", "ranks", "runner",
-           "shards", "staged", "workers"]
+           "shards", "spread", "staged", "workers"]

@@ -34,7 +34,9 @@ from ..read.remote import ATTEMPTS, BACKOFF_S, transient
 from ..words import plural
 from . import files
 
-PART_BYTES = 16 << 20  # S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold
+# S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold. RESHARD_S3_PART_MIB sets
+# another (5 at least): smaller parts spread a merge across nodes more evenly (`reshard.write.spread`)
+PART_BYTES = max(5, int(os.environ.get("RESHARD_S3_PART_MIB") or 16)) << 20
 MAX_PARTS = 10_000  # S3's limit per upload: a larger file gets larger parts
 PARTS_IN_FLIGHT = 4
 FILES_QUEUED = 1  # whole files waiting in the spool while the next is filled
@@ -325,8 +327,9 @@ class BucketOutput:
         return self.done
 
     def adopt(self, records: dict[str, tuple[str, list[dict]]]) -> None:
-        """Take over the open uploads another process sent (`Uploads.wait`): completed or aborted here."""
-        self.adopted.update(records)
+        """Take over the open uploads another process sent (`Uploads.wait`): completed or aborted here. Several
+        processes may send parts of one upload (a merge across nodes, `reshard.write.spread`): their parts join."""
+        self.adopted = joined_records(self.adopted, records)
 
     def complete(self) -> None:
         """Send what the spool still holds (the metadata, and the files `--workers` wrote), complete every upload,
@@ -340,7 +343,7 @@ class BucketOutput:
                 self.uploads.send(spool / name, self.uploads.open_upload(name))
             else:
                 self.put(name)
-        for name, (upload, parts) in sorted({**self.adopted, **self.uploads.wait()}.items()):
+        for name, (upload, parts) in sorted(joined_records(self.adopted, self.uploads.wait()).items()):
             self.bucket.call("completing the upload", name, "complete_multipart_upload", Key=self.bucket.key(name),
                              UploadId=upload, MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])})
             self.adopted.pop(name, None)
@@ -389,6 +392,16 @@ class BucketOutput:
 
     def error(self, e: OSError) -> OutputError:
         return e if isinstance(e, OutputError) else OutputError(f"{self.out}: write failed ({e}); nothing was kept.")
+
+
+def joined_records(*records: dict[str, tuple[str, list[dict]]]) -> dict[str, tuple[str, list[dict]]]:
+    """Open uploads by name, `(upload id, parts)`, from several processes: one upload's parts from each joined."""
+    joined: dict[str, tuple[str, list[dict]]] = {}
+    for record in records:
+        for name, (upload, parts) in record.items():
+            known = joined.get(name, (upload, []))[1]
+            joined[name] = (upload, known + [p for p in parts if p not in known])
+    return joined
 
 
 def removal_text(out: str, uploads: dict, completed: list, failed: list) -> str:

@@ -29,6 +29,7 @@ from ..signals import sigterm_as_interrupt
 from .output import NodeCopy, NodeOutcome, in_unit_order, progress_bar
 from .nodes import Nodes, node_key
 from .ranks import POLL_S, STALE_S, Agreed, Ranks, Stopped, StoreProgress, agreed
+from .spread import upload_parts, wait_for_senders
 from .staged import output_error, remove_temporary
 from .workers import assign_shares
 
@@ -79,6 +80,7 @@ class _Rank:
                  list_from=None):
         self.ranks, self.out, self.overwrite, self.progress = ranks, out, overwrite, progress
         self.node_local, self.gather_from, self.list_from = node_local, gather_from, list_from
+        self.spread = gather_from is not None and not isinstance(out, Path)  # into a bucket: `reshard.write.spread`
         self.peers = self.store = None  # gathering from every node: the requests, and the joined folder
         self.lock = contextlib.ExitStack()
         self.stage = None  # the claimed OUT, on the rank that leads the team
@@ -97,6 +99,7 @@ class _Rank:
 
     def run(self, read_job):
         ranks = self.ranks
+        self.read_job = read_job
         try:
             self._meet()
             job, start = self._start(read_job)
@@ -248,6 +251,8 @@ class _Rank:
     def _write_share(self, job, start: dict) -> tuple[list[dict], SourceCrcs | None]:
         """Write this rank's share; on the team's leader, the team's file entries in unit order and source CRC-32s."""
         ranks = self.ranks
+        if self.spread:
+            return self._spread_share(job)
         if ranks.rank not in self.team:
             return self._serve()
         share = assign_shares(start["sizes"], len(self.team), job.units)[self.team.index(ranks.rank)]
@@ -271,6 +276,36 @@ class _Rank:
         finally:
             if self.peers is not None:
                 self.peers.done()
+        return self._gather_entries(job, pairs, result, source_crcs)
+
+    def _spread_share(self, job):
+        """Every rank (the other nodes' build the job now) sends its parts of the uploads rank 0 opened."""
+        ranks, problem, ids, records, result, source_crcs = self.ranks, None, None, None, None, None
+        try:
+            job = job or self.read_job(self.store)
+            source_crcs = SourceCrcs(job.index)
+            if ranks.rank == 0:
+                ids = {name: self.stage.uploads.open_upload(name) for name in job.names}
+        except Exception as e:  # noqa: BLE001  agreed below
+            problem = self._share_failure(e)
+        views = ranks.exchange("uploads", (problem, ids))
+        if (failure := agreed([p for p, _ in views], "could not start the uploads")) is not None:
+            self.agreed = True
+            raise failure
+        counter = StoreProgress(ranks)
+        try:
+            records = upload_parts(ranks, self.nodes, job, self.store, self.peers.folder, views[0][1], str(self.out),
+                                   source_crcs, counter)
+            counter.flush()
+        except Stopped:
+            pass  # another rank failed and says why
+        except Agreed:
+            raise
+        except Exception as e:  # noqa: BLE001
+            result = self._share_failure(e)
+            ranks.announce("stop", result)
+        self.records = records
+        pairs = [job.entry(u) for u in job.units] if ranks.rank == 0 else []
         return self._gather_entries(job, pairs, result, source_crcs)
 
     def _upload_share(self, job, share, source_crcs) -> list:
@@ -447,6 +482,8 @@ class _Rank:
     def _clean_up(self, e: BaseException) -> None:
         ranks, interrupted = self.ranks, isinstance(e, KeyboardInterrupt)
         if self.stage is not None and (not self.handed_over or self.node_local) and not self._completed():
+            if self.spread:
+                wait_for_senders(ranks)  # a part sent after the abort could bring its upload back
             self.stage.discard(interrupted=e if interrupted else None)
         elif self.uploads is not None and not self.handed_over and self.stage is None:
             self.uploads.abort(interrupted=interrupted)  # this rank's uploads, not yet handed to rank 0

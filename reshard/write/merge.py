@@ -33,7 +33,7 @@ from ..read.dcp_source import DcpIndex
 from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
 from ..words import plural
-from .files import copy_source_file, write_safetensors
+from .files import copy_source_file, safetensors_header, write_safetensors
 from .output import headers_digest
 from .staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, staged_output
 
@@ -285,17 +285,26 @@ class MergeJob:
         entries = []
         try:
             for unit in units:
-                path, tensors = tmp / self.names[unit], self.parts[unit]
-                chunks = [ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)]
-                write_safetensors(path, chunks, [(t.nbytes, t.target, t.box) for t in tensors], {"format": "pt"},
-                                  engine, checksum=False)
+                path = tmp / self.names[unit]
+                header, boxes = self.file_layout(unit)
+                write_safetensors(path, [], boxes, None, engine, checksum=False, header=header)
                 if fsync:
                     fsync_path(path)
-                entries.append((unit, {"name": path.name, "keys": [t.key for t in tensors]}))
+                entries.append(self.entry(unit))
             engine.finish()  # without `source_crcs`: a damaged source file is refused before anything is kept
         finally:
             engine.close()
         return entries
+
+    def file_layout(self, unit: int) -> tuple[bytes, list]:
+        """Output file `unit`'s safetensors header and its chunks `(nbytes, tensor, box)`, in file order."""
+        tensors = self.parts[unit]
+        chunks = [ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)]
+        return safetensors_header(chunks, {"format": "pt"}), [(t.nbytes, t.target, t.box) for t in tensors]
+
+    def entry(self, unit: int) -> tuple[int, dict]:
+        """Output file `unit`'s entry for `finish`: its name and keys."""
+        return unit, {"name": self.names[unit], "keys": [t.key for t in self.parts[unit]]}
 
     def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs) -> dict:
         """The copied files and the index, last (no weight is read: `source_crcs` is as the writers left it);

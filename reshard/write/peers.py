@@ -120,8 +120,9 @@ def catalog(surveys: list[dict | None], where: str, node_names=None) -> dict[str
 
 
 class Peers:
-    """The requests of one merge across nodes: the writers (node 0's ranks) ask, every other rank serves its node's
-    files. `ranks` is the job's `reshard.write.ranks.Ranks` (its stop and gone flags end any wait)."""
+    """The requests of one merge across nodes: the writers (node 0's ranks, or every rank: `reshard.write.spread`)
+    ask, the ranks of the other nodes serve their node's files. `ranks` is the job's `reshard.write.ranks.Ranks` (its
+    stop and gone flags end any wait)."""
 
     def __init__(self, ranks, folder: Path, writers: tuple[int, ...], nodes):
         import torch
@@ -193,7 +194,7 @@ class Peers:
     def done(self) -> None:
         """A writer is done (or stopped): tell every server, so that each stops once all writers are."""
         torch, dist = self.torch, self.dist
-        for server in (r for r in range(self.ranks.world) if r not in self.writers):
+        for server in self._others():
             try:
                 self._wait(dist.isend(torch.tensor([DONE, self.ranks.rank, 0, 0, 0, 0]), server,
                                       group=self.ranks.group, tag=REQUEST_TAG),
@@ -201,12 +202,18 @@ class Peers:
             except (Agreed, RuntimeError):
                 return  # a rank is gone: every rank stops on that
 
+    def _others(self) -> list[int]:
+        """The ranks of the other nodes: only they ask this rank, and only they serve it (its node's bytes are on its
+        own disk)."""
+        mine = self.nodes.of(self.ranks.rank)
+        return [r for r in range(self.ranks.world) if self.nodes.of(r) != mine]
+
     def serve(self, files: dict[str, Holding]) -> str | None:
         """Serve this node's files until every writer is done; a failure to read one (announced to every rank so
         the writers stop) or None."""
         torch, dist = self.torch, self.dist
         store = LocalStore(self.folder, links_anywhere=True)
-        writers_left, failure = set(self.writers), None
+        writers_left, failure = set(self.writers) & set(self._others()), None
         buffer = bytearray(READ_BLOCK)
         try:
             while writers_left:
