@@ -30,7 +30,7 @@ from .output import NodeCopy, NodeOutcome, in_unit_order, progress_bar
 from .nodes import Nodes, node_key
 from .ranks import POLL_S, STALE_S, Agreed, Ranks, Stopped, StoreProgress, agreed
 from .spread import upload_parts, wait_for_senders
-from .staged import output_error, remove_temporary
+from .staged import remove_temporary, share_failure
 from .workers import assign_shares
 
 
@@ -233,18 +233,9 @@ class _Rank:
                 differs = ", ".join(k for k in reference if reference[k] != other[k])
                 problems[r] = (f"its {differs} differ from rank 0's: every rank needs the same command line and the "
                                "same checkpoint at the same path")
-        if (failure := agreed(problems, "cannot write", hint=self._node_local_hint(problems))) is not None:
+        if (failure := agreed(problems, "cannot write", hint="" if self.node_local else self.nodes.node_local_hint(problems))) is not None:
             self.agreed = True
             raise failure
-
-    def _node_local_hint(self, problems: list) -> str:
-        """Files missing on some nodes of a job over several: likely each node holds its own (node-local copies)."""
-        lacking = (": missing (", "is in no chunk")  # a file, or a chunk of a node-local copy's joined manifest
-        if self.node_local or len(self.nodes.ranks) < 2 or not any(p and any(w in p for w in lacking)
-                                                                      for p in problems):
-            return ""
-        return ("If each node holds only its own files (a node-local copy, or a training save on each node's disk), "
-                "pass --node-local.")
 
     # ---- 2. every rank writes its share into its team's temporary folder ----------------------------------------
 
@@ -361,13 +352,7 @@ class _Rank:
         return in_unit_order([pair for share, _, _ in gathered for pair in share]), checker
 
     def _share_failure(self, e: Exception) -> str:
-        host = self.ranks.host
-        if isinstance(e, OSError):
-            e = output_error(e, self.out, self.total)
-        if not isinstance(e, ReshardError):
-            traceback.print_exc()  # not an expected failure: show where, on this rank
-            return f"{host}: {type(e).__name__}: {e}"
-        return f"{host}: {e}"
+        return share_failure(e, self.ranks.host, self.out, self.total)
 
     # ---- 3. shared: rank 0 completes the folder and swaps it in; the others wait for its outcome -----------------
 

@@ -53,6 +53,15 @@ class Nodes:
     def name(self, node: int) -> str:
         return f"node {node} ({self.hosts[node]}, ranks {RankSpans.of(self.ranks[node])})"
 
+    def node_local_hint(self, problems: list) -> str:
+        """Files missing on some nodes of a shared job over several: likely each node holds its own (node-local
+        copies)."""
+        lacking = (": missing (", "is in no chunk")  # a file, or a chunk of a node-local copy's joined manifest
+        if len(self.ranks) < 2 or not any(p and any(w in p for w in lacking) for p in problems):
+            return ""
+        return ("If each node holds only its own files (a node-local copy, or a training save on each node's disk), "
+                "pass --node-local.")
+
 
 def node_key() -> tuple[str, str]:
     """This process's `(node key, host)`: torchrun's agent number (`GROUP_RANK`) tells simulated or same-named

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import OutputError, UsageError
+from ..errors import OutputError, ReshardError, UsageError
 from ..manifest import claimed_names
 from ..plan.report import human_bytes
 from ..read.checkpoint import is_metadata_file
@@ -185,6 +185,19 @@ class StagedOutput:
     def error(self, e: OSError) -> OutputError:
         """The error a write reports for `e`, once its temporary folder is gone (`output_error`)."""
         return output_error(e, self.out, self.total)
+
+
+def share_failure(e: Exception, host: str, out: Path, total: int) -> str:
+    """What a rank reports when writing its share of `out` failed: the error, worded for the user where it is
+    expected, else with its traceback printed on this rank."""
+    if isinstance(e, OSError):
+        e = output_error(e, out, total)
+    if not isinstance(e, ReshardError):
+        import traceback
+
+        traceback.print_exc()  # not an expected failure: show where, on this rank
+        return f"{host}: {type(e).__name__}: {e}"
+    return f"{host}: {e}"
 
 
 def output_error(e: OSError, out: Path, total: int) -> OutputError:
