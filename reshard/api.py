@@ -131,7 +131,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         return None
     if node_local:  # this node's first rank: its own copy; node 0 the job's totals too
         return WriteResult(manifest.result, str(out), str(source), kinds[-1].value, revision,
-                           node=manifest.copy.node, copies=manifest.copies)
+                           node=manifest.copy.node, copies=manifest.copies, fetched=manifest.copy.fetched)
     return WriteResult(manifest, str(out), str(source), kinds[-1].value, revision)
 
 

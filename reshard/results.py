@@ -79,6 +79,7 @@ class WriteResult:
         verify_against: the SRC `verify --against` can compare with (None for a reshard or saved SRC).
         node: after a node-local write, the node whose copy `manifest` is (`node 1 (host, ranks 4-7)`).
         copies: on node 0 of a node-local write, every node's copy (`reshard.write.distributed.NodeCopy`).
+        fetched: after a node-local write from a remote SRC, the bytes this node's ranks fetched from it.
     """
 
     manifest: object
@@ -88,6 +89,7 @@ class WriteResult:
     revision: str | None = None
     node: str | None = None
     copies: tuple = ()
+    fetched: int | None = None
 
     @property
     def extras(self) -> int:
@@ -109,6 +111,9 @@ class WriteResult:
                  + f", {plural(m.empty_markers, 'explicit empty marker')}"
                  + (f"; {plural(self.extras, 'tensor')} the model does not load kept in extra-*.safetensors."
                     if self.extras else ".")]
+        if self.fetched is not None:
+            lines.append(f"fetched from {self.source} by this node's ranks: {self.fetched:,} bytes "
+                         f"({mib(self.fetched)})")
         lines += self._job_lines()
         if self.source_kind == "saved":
             lines.append(UNCHECKED_SAVED)
@@ -138,9 +143,12 @@ class WriteResult:
         c = self.copies
         lines = [f"the job: {plural(len(c), 'node')}, {plural(sum(x.files for x in c), 'file')} "
                  f"({mib(sum(x.bytes for x in c))} with headers), "
-                 f"{plural(sum(x.empty_markers for x in c), 'explicit empty marker')} in all:"]
+                 f"{plural(sum(x.empty_markers for x in c), 'explicit empty marker')}"
+                 + ("" if any(x.fetched is None for x in c) else f", {sum(x.fetched for x in c):,} bytes fetched from SRC")
+                 + " in all:"]
         return lines + [f"  {x.node}: {plural(x.files, 'file')} ({mib(x.bytes)}), "
-                        f"{plural(x.empty_markers, 'explicit empty marker')}" for x in c]
+                        f"{plural(x.empty_markers, 'explicit empty marker')}"
+                        + ("" if x.fetched is None else f", {x.fetched:,} bytes fetched from SRC") for x in c]
 
 
 # ---- verify ----------------------------------------------------------------------------------------------------------

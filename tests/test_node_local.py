@@ -9,6 +9,7 @@ rank). Every command runs as `python -m reshard` would (tests/ranks/write_cli.py
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -520,6 +521,18 @@ def test_a_node_local_write_from_s3_fetches_each_nodes_share(s3, wide, disks, tm
     fetched = {k: sum(r.sent for r in s3.requests(method="GET", access_key=f"node{k}", prefix="src/")
                       if r.key.endswith(".safetensors")) for k in range(NODES)}
     fetched_share(node_dirs, wide, reference, fetched)
+    every_get = {k: sum(r.sent for r in s3.requests(method="GET", access_key=f"node{k}", prefix="src/"))
+                 for k in range(NODES)}
+    for k in range(NODES):  # each node's first rank reports what its ranks fetched, as the server counted it
+        said = found[0][k * NPROC]["stdout"]
+        print(said)
+        reported = int(re.search(r"fetched from s3://\S+ by this node's ranks: ([\d,]+) bytes", said)[1]
+                       .replace(",", ""))
+        assert fetched[k] <= reported <= every_get[k], (k, reported, fetched[k], every_get[k])
+    job = re.search(r"([\d,]+) bytes fetched from SRC in all", found[0][0]["stdout"])
+    assert job is not None and int(job[1].replace(",", "")) == sum(
+        int(re.search(r"node's ranks: ([\d,]+) bytes", found[0][k * NPROC]["stdout"])[1].replace(",", ""))
+        for k in range(NODES)), found[0][0]["stdout"]
 
 
 @pytest.mark.slow  # simulated nodes: faults and sources

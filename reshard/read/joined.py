@@ -17,6 +17,10 @@ class JoinedStore(Store):
         self.remote = main.remote or other.remote
 
     @property
+    def fetched(self) -> int:
+        return self.main.fetched + self.other.fetched
+
+    @property
     def requests(self) -> int:
         return self.main.requests + self.other.requests
 

@@ -56,6 +56,7 @@ class RemoteStore(Store):
         self.fs, self.base, self.location = fs, base.rstrip("/"), location.rstrip("/")
         self.read_options = read_options or {}  # what makes `cat_file` one exact ranged request on this back end
         self.requests = 0
+        self.fetched = 0  # bytes of data received (every whole answer), for the per-node report
         self._sizes: dict[str, int] | None = None
         self._tags: dict[str, str | None] = {}  # each object's ETag when listed: every later read requires it
         self._lock = threading.Lock()
@@ -138,6 +139,8 @@ class RemoteStore(Store):
             got = self._call(f"a ranged read of bytes {first}-{first + len(part) - 1}", name,
                              lambda: self._get_into(name, path, first, part))
             self._check_length(name, first, len(part), got)
+            with self._lock:
+                self.fetched += got
 
     def _check_length(self, name: str, start: int, length: int, got: int) -> None:
         if got < length:
@@ -217,6 +220,10 @@ class CachedHubStore(Store):
         self.remote, self.repo_id, self.commit = remote, repo_id, commit
         self.location = remote.location
         self._local: dict[str, LocalStore | None] = {}
+
+    @property
+    def fetched(self) -> int:
+        return self.remote.fetched
 
     @property
     def requests(self) -> int:

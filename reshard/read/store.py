@@ -34,10 +34,12 @@ class Store(ABC):
     Attributes:
         location: the folder or URL, as messages show it.
         requests: the data and metadata requests made so far (a remote store's ranged GETs and listings).
+        fetched: the bytes of data a remote store has received so far (0 for a local folder).
     """
 
     location: str
     requests: int = 0
+    fetched: int = 0
     remote: bool = True  # reads cost a request each: batch them, fetch headers concurrently
 
     def url(self, name: str) -> str:

@@ -447,7 +447,10 @@ class _Rank:
                                            "command again with --overwrite)")
         # every node's first rank reports its own copy; node 0 also every node's, for the job's totals
         node = self.nodes.of(ranks.rank)
-        mine = NodeCopy.of(self.nodes.name(node), result) if self.leads else None
+        store = getattr(getattr(job, "index", None), "store", None)
+        fetched = ranks.exchange("fetched", store.fetched if store is not None and store.remote else None)
+        ours = [fetched[r] for r in self.nodes.ranks[node] if fetched[r] is not None]
+        mine = (NodeCopy.of(self.nodes.name(node), result, sum(ours) if ours else None) if self.leads else None)
         copies = tuple(c for c in ranks.exchange("copies", mine) if c is not None)
         if not self.leads:
             return None

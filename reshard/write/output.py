@@ -166,16 +166,18 @@ class NodeCopy:
         files: rank files in the copy.
         bytes: bytes of those files (headers included).
         empty_markers: explicit empty markers among their tensors.
+        fetched: bytes the node's ranks fetched from a remote SRC (None: SRC was read from a disk).
     """
 
     node: str
     files: int
     bytes: int
     empty_markers: int
+    fetched: int | None = None
 
     @classmethod
-    def of(cls, node: str, manifest) -> "NodeCopy":
-        return cls(node, len(manifest.files), manifest.bytes, manifest.empty_markers)
+    def of(cls, node: str, manifest, fetched: int | None = None) -> "NodeCopy":
+        return cls(node, len(manifest.files), manifest.bytes, manifest.empty_markers, fetched)
 
 
 @dataclass(frozen=True)
