@@ -47,6 +47,16 @@ class NodeSetup:
     replaces_bind: bool = False
 
 
+def node_disks(tmp_path: Path, nodes: int = 2) -> tuple[Path, list[Path], Path]:
+    """`(mount_at, node_dirs, reports)`: the path every node writes (empty on the host), each node's own disk, and
+    a host folder for the ranks' reports."""
+    mount_at, reports = tmp_path / "disk", tmp_path / "reports"
+    node_dirs = [tmp_path / f"node{k}" for k in range(nodes)]
+    for folder in (mount_at, reports, *node_dirs):
+        folder.mkdir()
+    return mount_at, node_dirs, reports
+
+
 def tmpfs_disk(size_bytes: int) -> NodeSetup:
     """A full disk: a tmpfs of `size_bytes` (rounded up to pages) at `mount_at`; its files vanish with the node."""
     return NodeSetup((f'mount -t tmpfs -o size={int(size_bytes)} node-disk "$MOUNT_AT"',), replaces_bind=True)

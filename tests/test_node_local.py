@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import rank_reports
-from nodes import Kill, read_only, run_nodes, tmpfs_disk
+from nodes import Kill, node_disks, read_only, run_nodes, tmpfs_disk
 from reshard.cli import cli
 from reshard.manifest import MANIFEST_NAME
 from test_loader import OWN_READER, assert_loaded_exactly
@@ -32,13 +32,8 @@ QUICK_HEARTBEATS = {"RESHARD_TEST_STALE_S": "10"}
 
 @pytest.fixture
 def disks(tmp_path):
-    """`(mount_at, node_dirs, reports)`: the path every node writes (empty on the host), each node's own disk, and
-    a host folder for the ranks' reports."""
-    mount_at, reports = tmp_path / "disk", tmp_path / "reports"
-    node_dirs = [tmp_path / f"node{k}" for k in range(NODES)]
-    for folder in (mount_at, reports, *node_dirs):
-        folder.mkdir()
-    return mount_at, node_dirs, reports
+    """`(mount_at, node_dirs, reports)` (`nodes.node_disks`)."""
+    return node_disks(tmp_path, NODES)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import rank_reports
-from nodes import run_nodes
+from nodes import node_disks, run_nodes
 from reshard.cli import cli
 from reshard.manifest import MANIFEST_NAME
 from test_node_local import NODES, NPROC, assert_same_files, merged_here, run_cli
@@ -30,12 +30,7 @@ HOST = socket.gethostname()  # simulated nodes share the host's name
 
 @pytest.fixture
 def disks(tmp_path):
-    """`(mount_at, node_dirs, reports)`, as test_node_local.py's."""
-    mount_at, reports = tmp_path / "disk", tmp_path / "reports"
-    node_dirs = [tmp_path / f"node{k}" for k in range(NODES)]
-    for folder in (mount_at, reports, *node_dirs):
-        folder.mkdir()
-    return mount_at, node_dirs, reports
+    return node_disks(tmp_path, NODES)
 
 
 @pytest.fixture(scope="module")
