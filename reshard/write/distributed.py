@@ -26,7 +26,8 @@ from ..launch import gloo_group
 from ..plan.ranks import RankSpans
 from ..runs.source_check import SourceCrcs
 from ..signals import sigterm_as_interrupt
-from .output import NodeCopy, NodeOutcome, in_unit_order, progress_bar
+from ..words import mib
+from .output import NodeCopy, NodeOutcome, in_unit_order, progress_bar, say
 from .nodes import Nodes, node_key
 from .ranks import POLL_S, STALE_S, Agreed, Ranks, Stopped, StoreProgress, agreed
 from .spread import upload_parts, wait_for_senders
@@ -63,6 +64,9 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
         KeyboardInterrupt: Ctrl-C or SIGTERM (torchrun stopping the job); this rank removed what it could.
     """
     with sigterm_as_interrupt():
+        if os.environ.get("RANK", "0") == "0":  # before torch is imported and the ranks meet: seconds
+            say(command, f"rank 0 of {os.environ.get('WORLD_SIZE', '?')} started; importing torch, joining the other "
+                         "ranks, reading SRC's headers", progress)
         group, _ = gloo_group(command)
         with Ranks(group) as ranks:
             out = out if "://" in os.fspath(out) else Path(out).resolve()  # a bucket prefix, or a folder
@@ -104,6 +108,8 @@ class _Rank:
             self._meet()
             job, start = self._start(read_job)
             entries, source_crcs = self._write_share(job, start)
+            if ranks.rank == 0:
+                say(job.command, "every share written; checking the source CRC-32s, completing OUT", self.progress)
             self.handed_over = True  # from here only the team's leader touches the temporary folder
             if self.node_local:
                 return self._finish_nodes(job, entries, source_crcs)
@@ -188,7 +194,9 @@ class _Rank:
         start = views[self.team[0]][2]
         self.tmp, self.total = start["tmp"] and Path(start["tmp"]), start["total"]
         if ranks.rank == 0:
-            ranks.bar = progress_bar(sum(v[2]["bytes"] for v in views if v[3]), self.progress, job.command)
+            total = sum(v[2]["bytes"] for v in views if v[3])
+            say(job.command, f"{ranks.world} ranks joined and planned; writing {mib(total)}", self.progress)
+            ranks.bar = progress_bar(total, self.progress, job.command)
         return job, start
 
     def _read_and_claim(self, read_job):

@@ -70,6 +70,15 @@ def progress_bar(total: int, progress: bool | None, command: str):
                 disable=None if progress is None else not progress)
 
 
+def say(command: str, text: str, progress: bool | None) -> None:
+    """A distributed job's phase, one line on stderr (rank 0 calls it; not with `-q`): on a terminal before the bar,
+    on a pipe (a torchrun job's log) where no bar is drawn, so the start of a job is never a silent stretch."""
+    import sys
+
+    if progress is not False:
+        print(f"reshard {command}: {text}", file=sys.stderr, flush=True)
+
+
 PIPE_EVERY_S = 5.0  # on a pipe, a long write says where it is this often: never a silent stretch longer than this
 
 
