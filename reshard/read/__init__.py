@@ -4,5 +4,5 @@ folders in the distributed-checkpoint layout, and the map from on-disk keys to t
 Its modules are what it exports (`__all__`); their names are used through them, e.g. `reshard.read.cache`.
 """
 
-__all__ = ["cache", "checkpoint", "content", "converter_ops", "dcp_source", "experts", "hub", "key_templates", "quant",
-           "range_file", "remote", "safetensors_header", "source", "store"]
+__all__ = ["cache", "checkpoint", "content", "converter_ops", "dcp_source", "experts", "hub", "joined", "key_templates",
+           "quant", "range_file", "remote", "safetensors_header", "source", "store"]
