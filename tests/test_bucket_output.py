@@ -376,6 +376,52 @@ def test_sigterm_mid_upload_across_nodes_leaves_no_marker_and_no_upload(s3, s3_b
     assert open_uploads(s3, s3_bucket) == []
 
 
+@pytest.mark.slow  # simulated nodes
+def test_a_node_killed_mid_upload_stops_every_rank_and_leaves_no_upload(s3, s3_bucket, tiny, tmp_path):
+    """Node 1 dies (SIGKILL to its agent and ranks) while a part is held by the server: node 0's ranks stop within
+    60 s with an error, every upload is aborted, no marker is written."""
+    import threading
+
+    s3.stall_next(1, 60, methods=("PUT",))
+    done: dict = {}
+    worker = threading.Thread(target=lambda: done.update(result=merge_across_nodes(
+        s3, s3_bucket, tiny, tmp_path, "died", 40_000_000, model={"experts": 4, "vocab_size": 80_000})))
+    worker.start()
+    deadline = time.monotonic() + 240
+    while not s3.requests(wait=0, fault="stall", prefix="died/"):
+        assert worker.is_alive() and time.monotonic() < deadline
+        time.sleep(0.1)
+    pids = rank_pids(f"s3://{s3_bucket}/died")
+    ranks = {pid: int(dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                           if "=" in v)["RANK"]) for pid in pids}
+    node_1 = next(pid for pid, rank in ranks.items() if rank >= 2)
+    os.killpg(os.getpgid(node_1), signal.SIGKILL)  # the node's shell, agent and ranks: one process group
+    killed = time.monotonic()
+    s3.release_stalls()
+    node_0 = [pid for pid, rank in ranks.items() if rank < 2]
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in node_0):
+        assert time.monotonic() - killed < 90, "node 0's ranks still run 90 s after node 1 died"
+        time.sleep(0.2)
+    stopped = time.monotonic() - killed
+    worker.join(240)
+    merge, _ = done["result"]
+    assert merge.nodes[0].returncode != 0, merge.nodes[0].stderr[-3000:]
+    assert stopped < 60, stopped
+    ranks_said = merge.nodes[0].stderr.split("ChildFailedError")[0]  # torchrun's own report follows the ranks'
+    assert "Error: " in ranks_said and "Traceback" not in ranks_said.split("Error: ", 1)[0], ranks_said[-3000:]
+    assert not {"config.json", "model.safetensors.index.json"} & set(objects(s3, s3_bucket, "died"))
+    s3.wait_idle(30)
+    assert open_uploads(s3, s3_bucket) == []
+    print(f"node 1 killed mid-upload: node 0 stopped {stopped:.1f} s later: {ranks_said.strip()[-600:]}")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
+    except (OSError, IndexError):
+        return "zombie"
+
+
 def rank_pids(argument: str) -> list[int]:
     """The rank processes (not their torchrun agents) this test started whose arguments hold `argument`."""
     found = []
