@@ -7,7 +7,7 @@ files, a few MB of disk), with `--ep 8` at fsdp 64, 256, 1024 and 4096, measures
 - chunk lists: `coordinate_chunks` of every coordinate, as the writers build them (one coordinate at a time, each
   when its file is written); before the first byte, a write needs only every coordinate's size
   (`coordinate_sizes`, by tensor kind) and the first coordinate's list;
-- manifest: the manifest for one file per coordinate, built and validated (`build_manifest`) and serialized
+- manifest: the manifest for one file per coordinate, built from the typed entries (`build_manifest`) and serialized
   (`Manifest.to_json`), its size;
 - load: what one rank does, parsing the manifest and deriving its own coordinate's chunks;
 - checks: `coverage_problems`, the structural part of `verify` and of the whole-model load;
@@ -48,7 +48,7 @@ def main() -> None:
     from plan_scale import GLM46_CONFIG, write_sparse_checkpoint
 
     from reshard.read.source import open_source
-    from reshard.manifest import Manifest, build_manifest, coverage_problems
+    from reshard.manifest import FileEntry, Manifest, build_manifest, coverage_problems
     from reshard.plan.mesh import MeshSpec
     from reshard.plan.placement import local_box, make_plan
     from reshard.plan.files import coordinate_chunks, coordinate_sizes
@@ -74,9 +74,9 @@ def main() -> None:
             def chunk_lists():
                 for coord in range(mesh.num_coords):
                     chunks = coordinate_chunks(plan, coord)
-                    files.append({"coord": coord, "name": f"shard-{coord + 1:05d}-model-00001-of-00001.safetensors",
-                                  "bytes": sizes[coord], "crc32": "00000000", "first": 0, "count": len(chunks),
-                                  "empty_markers": sum(0 in spec.shape for spec, _, _ in chunks)})
+                    files.append(FileEntry(f"shard-{coord + 1:05d}-model-00001-of-00001.safetensors", coord, 0,
+                                           len(chunks), sizes[coord], "00000000",
+                                           sum(0 in spec.shape for spec, _, _ in chunks)))
 
             chunks_s = timed(chunk_lists)[1]
             text, manifest_s = timed(lambda: build_manifest(plan, index, files, where=tmp).to_json())

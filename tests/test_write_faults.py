@@ -227,8 +227,8 @@ SLOW_WRITE = textwrap.dedent("""
     first_file_written = Path({marker!r})
     stock_write_file = w.write_rank_file
 
-    def slow_write_file(path, items, engine):
-        entry = stock_write_file(path, items, engine)
+    def slow_write_file(path, *args):
+        entry = stock_write_file(path, *args)
         if not first_file_written.exists():
             first_file_written.write_text(str(path))
             time.sleep(120)  # the test signals it long before; teardown kills it otherwise

@@ -9,59 +9,77 @@ from __future__ import annotations
 
 import hashlib
 import json
+from types import MappingProxyType
 
 from .. import __version__
 from ..plan.layout import TargetTensor
 from ..plan.placement import Placement, ReshardPlan
+from .entries import CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo
 from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
 from .parsed import Manifest
 from .source_layout import source_layout_record
 
 
-def build_manifest(plan: ReshardPlan, index, files: list[dict], extras: list[dict] = (), *, where,
+def build_manifest(plan: ReshardPlan, index, files: list[FileEntry], extras: list[ExtrasEntry] = (), *, where,
                    holds=None) -> Manifest:
-    """The manifest of a written folder, built from what was written and validated as any manifest read back is.
+    """The manifest of a written folder, typed from what was written, with the document `to_json` writes built from
+    those values (`Manifest.written`: the writer's values are not parsed back; a reader validates them).
 
     Args:
         where: the folder being written (messages name it).
         holds: the rank spans a node's copy holds (`files` are then only theirs), or None for a whole folder.
         plan: the plan the files were written from.
         index: the source (`reshard.read.checkpoint.CheckpointIndex`, or its bf16 view of a quantized checkpoint).
-        files: the rank files' entries (`name`, `coord`, `first`, `count`, `bytes`, `crc32`, `empty_markers`),
-            every coordinate's, in any order.
+        files: the rank files' entries, every coordinate's, in any order.
         extras: the extras files' entries (`write_extras`); the `extras` section only when there are any.
     """
-    document = _document(plan, index, files, extras)
-    if holds is not None:
-        document["holds"] = [list(span) for span in holds]
-    return Manifest.from_document(document, where)
-
-
-def _document(plan: ReshardPlan, index, files: list[dict], extras) -> dict:
     mesh = plan.mesh
-    by_coord: dict[int, list[dict]] = {c: [] for c in range(mesh.num_coords)}
-    for entry in sorted(files, key=lambda f: (f["coord"], f["first"])):
-        by_coord[entry["coord"]].append(entry)
-    return {
+    files = tuple(sorted(files, key=lambda f: (f.coord, f.first)))
+    records = {tp.tensor.name: _tensor(tp, index) for tp in plan.tensors}
+    fields = {"mesh": mesh, "order": tuple(records),
+              "tensors": MappingProxyType({name: _tensor_info(tp, records[name]) for name, tp in
+                                           zip(records, plan.tensors)}),
+              "files": files, "coords": _coords(mesh, files), "copied": tuple(name for name in index.other_files
+                                                                              if name != MANIFEST_NAME),
+              "source": _source(plan, index), "layout": plan.mode, "extras": tuple(extras),
+              # with --drop-unloaded: how many the source held, so that `merge` can say what it cannot write back
+              "dropped_unloaded": len(plan.layout.extras) if plan.layout.extras and not plan.extras else 0,
+              "tool": f"reshard {__version__}", "holds": None if holds is None else tuple((s[0], s[1]) for s in holds),
+              # the same for every node's copy of one write (docs/format.md)
+              "write_id": write_id(plan, index)}
+    return Manifest.written(_document(plan, index, records, fields), where, **fields)
+
+
+def _document(plan: ReshardPlan, index, records: dict[str, dict], fields: dict) -> dict:
+    """The document of the manifest's typed `fields`, its keys in the order docs/format.md describes them."""
+    mesh, source = plan.mesh, fields["source"]
+    document = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
-        "tool": f"reshard {__version__}",
-        "source": _source(plan, index),
-        "write_id": write_id(plan, index),  # the same for every node's copy of one write (docs/format.md)
+        "tool": fields["tool"],
+        "source": {"source": source.source, "revision": source.revision, "model_type": source.model_type,
+                   "architecture": source.architecture, "header_sha256": dict(source.header_sha256),
+                   **({"quantization_config": index.quantization.config} if index.quantization is not None else {})},
+        "write_id": fields["write_id"],
         "mesh": mesh.to_dict(),
         "distributed_config": mesh.distributed_config_kwargs(),
-        "layout": plan.mode.value,
-        "tensors": {tp.tensor.name: _tensor(tp, index) for tp in plan.tensors},
-        "order": [tp.tensor.name for tp in plan.tensors],  # file entries name runs of it (`first`, `count`)
-        "coords": _coords(by_coord),
-        "files": [entry for c in by_coord for entry in by_coord[c]],
-        "copied": [name for name in index.other_files if name != MANIFEST_NAME],  # non-weight files, as they were
+        "layout": fields["layout"].value,
+        "tensors": records,
+        "order": list(fields["order"]),  # file entries name runs of it (`first`, `count`)
+        # no `ranks`: they follow from the mesh (`MeshSpec.coord_ranks`), so the document does not grow with
+        # dp_replicate
+        "coords": [{"coord": c.coord, "files": list(c.files), "empty_markers": c.empty_markers}
+                   for c in fields["coords"]],
+        "files": [entry.record() for entry in fields["files"]],
+        "copied": list(fields["copied"]),  # non-weight files, as they were
         # the source's on-disk keys per tensor, for `reshard merge --layout original` (`recorded_source_layout`)
         "source_layout": source_layout_record(plan.layout, index),
-        **({"extras": list(extras)} if extras else {}),
-        # with --drop-unloaded: how many the source held, so that `merge` can say what it cannot write back
-        **({"dropped_unloaded": len(plan.layout.extras)} if plan.layout.extras and not plan.extras else {}),
+        **({"extras": [entry.record() for entry in fields["extras"]]} if fields["extras"] else {}),
+        **({"dropped_unloaded": fields["dropped_unloaded"]} if fields["dropped_unloaded"] else {}),
     }
+    if fields["holds"] is not None:
+        document["holds"] = [list(span) for span in fields["holds"]]
+    return document
 
 
 def write_id(plan: ReshardPlan, index) -> str:
@@ -74,15 +92,11 @@ def write_id(plan: ReshardPlan, index) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def _source(plan: ReshardPlan, index) -> dict:
-    return {
-        "source": index.source,
-        "revision": index.revision,
-        "model_type": plan.layout.model_type,
-        "architecture": plan.layout.architecture,
-        "header_sha256": {f.name: f.digest for f in index.files},
-        **({"quantization_config": index.quantization.config} if index.quantization is not None else {}),
-    }
+def _source(plan: ReshardPlan, index) -> SourceRecord:
+    quantization = index.quantization
+    return SourceRecord(index.source, index.revision, plan.layout.model_type, plan.layout.architecture,
+                        MappingProxyType({f.name: f.digest for f in index.files}),
+                        None if quantization is None else MappingProxyType(quantization.config))
 
 
 def _tensor(tp, index) -> dict:
@@ -92,10 +106,20 @@ def _tensor(tp, index) -> dict:
             "stock_placement": _placement_dict(tp.stock), **_dequantized_from(tensor, index)}
 
 
-def _coords(by_coord: dict[int, list[dict]]) -> list[dict]:
-    # no `ranks`: they follow from the mesh (`MeshSpec.coord_ranks`), so the document does not grow with dp_replicate
-    return [{"coord": c, "files": [f["name"] for f in entries],
-             "empty_markers": sum(f["empty_markers"] for f in entries)} for c, entries in by_coord.items()]
+def _tensor_info(tp, record: dict) -> TensorInfo:
+    """The typed entry of tensor `tp`, beside its document `record` (whose `dequantized_from` it shares)."""
+    tensor, dequantized = tp.tensor, record.get("dequantized_from")
+    return TensorInfo(tensor.name, tuple(tensor.shape), tensor.dtype, tensor.role.value, tensor.is_param, tp.planned,
+                      None if dequantized is None else MappingProxyType(dequantized))
+
+
+def _coords(mesh, files: tuple[FileEntry, ...]) -> tuple[CoordEntry, ...]:
+    """Each coordinate's entry: its ranks (from the mesh), its files in file order and their empty markers."""
+    by_coord: dict[int, list[FileEntry]] = {c: [] for c in range(mesh.num_coords)}
+    for entry in files:
+        by_coord[entry.coord].append(entry)
+    return tuple(CoordEntry(c, mesh.coord_ranks(c), tuple(f.name for f in entries),
+                            sum(f.empty_markers for f in entries)) for c, entries in by_coord.items())
 
 
 def _placement_dict(p: Placement) -> dict:

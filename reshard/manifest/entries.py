@@ -7,7 +7,8 @@ A chunk is never stored: its offsets and shape follow from the tensor's placemen
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from types import MappingProxyType
 
 from ..plan.mesh import MeshSpec
 from ..plan.placement import Kind, Placement, local_box
@@ -44,6 +45,12 @@ class TensorInfo:
     def is_replicated(self) -> bool:
         return self.placement.kind is Kind.REPLICATED
 
+    def __getstate__(self) -> dict:
+        return plain_state(self, "dequantized_from")
+
+    def __setstate__(self, state: dict) -> None:
+        set_state(self, state, "dequantized_from")
+
 
 @dataclass(frozen=True)
 class FileEntry:
@@ -57,6 +64,10 @@ class FileEntry:
     bytes: int
     crc32: str
     empty_markers: int
+
+    def record(self) -> dict:
+        """The entry as the manifest's `files` holds it."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,10 @@ class ExtrasEntry:
     crc32: str
     keys: tuple[str, ...]
 
+    def record(self) -> dict:
+        """The entry as the manifest's `extras` holds it."""
+        return {"name": self.name, "bytes": self.bytes, "crc32": self.crc32, "keys": list(self.keys)}
+
 
 @dataclass(frozen=True)
 class SourceRecord:
@@ -99,6 +114,27 @@ class SourceRecord:
     architecture: str | None
     header_sha256: Mapping
     quantization_config: Mapping | None = None
+
+    def __getstate__(self) -> dict:
+        return plain_state(self, "header_sha256", "quantization_config")
+
+    def __setstate__(self, state: dict) -> None:
+        set_state(self, state, "header_sha256", "quantization_config")
+
+
+def plain_state(value, *views: str) -> dict:
+    """The fields of the frozen dataclass `value` as pickle takes them: its read-only views (the fields `views`) as
+    plain dicts, since a `MappingProxyType` does not pickle."""
+    state = {f.name: getattr(value, f.name) for f in fields(value)}
+    return {**state, **{name: None if state[name] is None else dict(state[name]) for name in views}}
+
+
+def set_state(value, state: dict, *views: str) -> None:
+    """`plain_state` undone on `value` as pickle builds it: the fields set, `views` read-only again."""
+    for name, field_value in state.items():
+        if name in views and field_value is not None:
+            field_value = MappingProxyType(field_value)
+        object.__setattr__(value, name, field_value)
 
 
 def placement_of(info: dict) -> Placement:

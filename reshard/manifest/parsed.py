@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 from ..errors import ManifestError, ReshardError, UsageError
 from ..plan.mesh import MeshSpec, ranks_text
+from ..plan.placement import LayoutMode
 from ..plan.ranks import RankSpans
-from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of
+from .entries import (Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of, plain_state,
+                      set_state)
 from .format import (DCP_SHARDING_INFO_KEY, MANIFEST_FORMAT, MANIFEST_NAME, REMEDY, SAVED_OFFSETS_KEY, dump_manifest,
                      show)
 from .members import open_member
@@ -38,15 +40,16 @@ class Manifest:
     """`reshard.json`, parsed and validated: the one typed value of a reshard folder's manifest. See docs/format.md,
     "The manifest", for every field.
 
-    Built only through `Manifest.from_document` (validated: a document that is not a sound manifest raises
-    `ManifestError`), by `read_manifest` and by the writer (`reshard.manifest.build_manifest`). Its size grows with
+    Built through `Manifest.from_document` (validated: a document that is not a sound manifest raises
+    `ManifestError`) by `read_manifest`, and by the writer from its typed values (`Manifest.written`, which
+    `reshard.manifest.build_manifest` calls: nothing parsed back). Pickled as its typed value. Its size grows with
     tensors plus coordinates, not their product: a file entry names the run of `order` it holds (`first`, `count`),
     and each chunk's offsets and shape follow from the tensor's placement and the file's coordinate (`chunks`).
 
     Attributes:
         where: the folder or URL it was read from (or will be written to), as messages show it.
         mesh, order, tensors, files, coords, copied, source, layout, extras, dropped_unloaded, tool: the checked
-            sections (`layout`: `balanced` or `stock`).
+            sections (`layout`: a `LayoutMode`, balanced or stock).
         holds: for a node's own copy (`write --node-local`, `write --ranks`), the ranks whose files it holds, as
             `(first, last)` spans; None for a whole folder.
         write_id: the identity of the write the folder or copy belongs to (`reshard.manifest.document.write_id`),
@@ -61,7 +64,7 @@ class Manifest:
     coords: tuple[CoordEntry, ...]
     copied: tuple[str, ...]
     source: SourceRecord
-    layout: str
+    layout: LayoutMode
     extras: tuple[ExtrasEntry, ...]
     dropped_unloaded: int
     tool: str
@@ -78,12 +81,21 @@ class Manifest:
         """
         return cls(str(where), **validate_manifest(document), _document=document)
 
+    @classmethod
+    def written(cls, document: dict, where: str | os.PathLike, **fields) -> "Manifest":
+        """The manifest a write records: `fields` (those of `validate_manifest`) typed as the writer holds them, and
+        the `document` built from them that `to_json` writes; not parsed back."""
+        return cls(str(where), **fields, _document=document)
+
     def to_json(self) -> str:
         """The document as `reshard.json` holds it (deterministic: sorted keys)."""
         return dump_manifest(self._document)
 
-    def __reduce__(self):  # to a worker process as its document, validated again there (read-only views do not pickle)
-        return Manifest.from_document, (self._document, self.where)
+    def __getstate__(self) -> dict:  # to a worker process as its typed value (no cached view, nothing validated)
+        return plain_state(self, "tensors")
+
+    def __setstate__(self, state: dict) -> None:
+        set_state(self, state, "tensors")
 
     @functools.cached_property
     def _by_name(self) -> dict[str, FileEntry]:

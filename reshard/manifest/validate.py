@@ -16,7 +16,7 @@ from ..errors import ManifestError, MeshError
 from ..plan.dtypes import DTYPE_BITS
 from ..plan.layout import Role
 from ..plan.mesh import MeshSpec
-from ..plan.placement import Kind, Placement
+from ..plan.placement import Kind, LayoutMode, Placement
 from .entries import CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo
 from .format import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, READ_VERSIONS, REMEDY, reject, show
 from .members import plain_name_problem
@@ -305,8 +305,8 @@ def validate_manifest(data) -> dict:
     coords = _coords(data, mesh, files)
     _placements_fit(tensors, mesh)
     _sizes_fit(tensors, files)
-    layout = _get(data, "layout", "", lambda v: v in ("balanced", "stock"), "balanced or stock", optional=True,
-                  default="balanced")
+    layout = LayoutMode(_get(data, "layout", "", lambda v: v in ("balanced", "stock"), "balanced or stock",
+                             optional=True, default=LayoutMode.BALANCED.value))
     # (a new optional section: parse it here, after the sections it refers to)
     return {"mesh": mesh, "order": order, "tensors": MappingProxyType(tensors), "files": files, "coords": coords,
             "copied": _copied(data), "source": _source(data), "layout": layout, "extras": _extras(data, files),

@@ -16,7 +16,8 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import UsageError
-from ..manifest import MANIFEST_NAME, Manifest, build_manifest, dcp_metadata, extra_file_name, shard_file_name
+from ..manifest import (MANIFEST_NAME, ExtrasEntry, FileEntry, Manifest, build_manifest, dcp_metadata, extra_file_name,
+                        shard_file_name)
 from ..plan.dtypes import DTYPE_BITS
 from ..plan.files import ChunkSpec, coordinate_chunks, coordinate_key, coordinate_sizes, split_parts
 from ..plan.placement import ReshardPlan
@@ -36,19 +37,19 @@ def rank_file_layout(items: list) -> tuple[list, bytes, list]:
     return specs, header, [(spec.nbytes, tensor, box) for spec, tensor, box in items]
 
 
-def write_rank_file(path: Path, layout: tuple[list, bytes, list], engine: Engine) -> dict:
-    """Write one rank file of `layout` (`rank_file_layout`); its manifest entry (without `coord`)."""
+def write_rank_file(path: Path, layout: tuple[list, bytes, list], engine: Engine, coord: int) -> FileEntry:
+    """Write one rank file of `layout` (`rank_file_layout`) for coordinate `coord`; its manifest entry."""
     specs, header, boxes = layout
     crc = write_safetensors(path, specs, boxes, None, engine, header=header)
     # The chunks are a run of the plan's order; their offsets and shapes follow from the placements (the manifest
     # stays linear in tensors plus files, however many coordinates).
-    return {"name": path.name, "bytes": len(header) + sum(nbytes for nbytes, _, _ in boxes), "crc32": f"{crc:08x}",
-            "first": specs[0].index, "count": len(specs), "empty_markers": sum(0 in s.shape for s in specs)}
+    return FileEntry(path.name, coord, specs[0].index, len(specs), len(header) + sum(nbytes for nbytes, _, _ in boxes),
+                     f"{crc:08x}", sum(0 in s.shape for s in specs))
 
 
 def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
                       max_shard_size: int | None = None, progress=None, fsync: bool = False,
-                      source_crcs: SourceCrcs | None = None, planned_bytes: int | None = None) -> list[dict]:
+                      source_crcs: SourceCrcs | None = None, planned_bytes: int | None = None) -> list[FileEntry]:
     """Write the files of the coordinates `coords` into the folder `tmp` and return their manifest entries.
 
     The one step every writer runs on its share: the in-process write (all coordinates), each worker process of
@@ -64,7 +65,7 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
         planned_bytes: the data of these coordinates' files, when known (how the engine writes large files).
 
     Returns:
-        One entry per file, `{"coord": c, ...}`, in coordinate then part order.
+        One entry per file, in coordinate then part order.
     """
     engine = Engine(index, progress, source_crcs, planned_bytes=planned_bytes)
     files, paths = [], []
@@ -79,7 +80,7 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
             layouts = last[1]
             for part, layout in enumerate(layouts):
                 path = tmp / shard_file_name(coord, part, len(layouts))
-                files.append({"coord": coord, **write_rank_file(path, layout, engine)})
+                files.append(write_rank_file(path, layout, engine, coord))
                 paths.append(path)
         engine.finish()
     finally:
@@ -91,7 +92,7 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
 
 
 def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
-                 max_shard_size: int | None = None, source_crcs: SourceCrcs | None = None) -> list[dict]:
+                 max_shard_size: int | None = None, source_crcs: SourceCrcs | None = None) -> list[ExtrasEntry]:
     """Write the plan's extras (on-disk tensors the model does not load: MTP layers, ...) whole, under their own
     keys, into `extra-PPPPP-of-NNNNN.safetensors` files in `folder`; returns their manifest entries.
 
@@ -112,9 +113,8 @@ def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
             header = safetensors_header(specs, {"format": "pt"})
             crc = write_safetensors(path, specs, [(s.nbytes, t, box) for s, t, box in chunk_items], None, engine,
                                     header=header)
-            entries.append({"name": path.name, "bytes": len(header) + sum(s.nbytes for s in specs),
-                            "crc32": f"{crc:08x}",
-                            "keys": [spec.name for spec in specs]})
+            entries.append(ExtrasEntry(path.name, len(header) + sum(s.nbytes for s in specs), f"{crc:08x}",
+                                       tuple(spec.name for spec in specs)))
         engine.finish()
     finally:
         engine.close()
@@ -199,14 +199,14 @@ class WriteJob:
                 + sum(self.index.store.size(name) for name in self.copied))
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
-                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
+                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, FileEntry]]:
         units = list(units)
         files = write_coordinates(self.plan, self.index, tmp, units, max_shard_size=self.max_shard_size,
                                   progress=progress, fsync=fsync, source_crcs=source_crcs,
                                   planned_bytes=sum(self.unit_sizes[u] for u in units))
-        return [(entry["coord"], entry) for entry in files]
+        return [(entry.coord, entry) for entry in files]
 
-    def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs) -> Manifest:
+    def finish(self, tmp: Path, entries: list[FileEntry], out: Path, source_crcs: SourceCrcs) -> Manifest:
         """Complete the folder: extras, copied files, the manifest last; returns the manifest."""
         plan, index = self.plan, self.index
         extras = (write_extras(plan, index, tmp, max_shard_size=self.max_shard_size, source_crcs=source_crcs)

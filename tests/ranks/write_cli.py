@@ -71,17 +71,17 @@ def _faulty_merge_file(path, *args, **kwargs):
     return _stock_merge_file(path, *args, **kwargs)
 
 
-def _faulty_write_file(path, items, engine):
+def _faulty_write_file(path, *args):
     kind, marker = _fault_for(path)
     if not kind:
-        return _stock_write_file(path, items, engine)
+        return _stock_write_file(path, *args)
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     if kind == "kill":
         if marker:
             Path(marker).write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
-    entry = _stock_write_file(path, items, engine)
+    entry = _stock_write_file(path, *args)
     if kind == "sleep":
         Path(marker).write_text(str(path))
         time.sleep(120)
