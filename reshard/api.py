@@ -130,9 +130,9 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     if job is None:
         return None
     if node_local:  # this node's first rank: its own copy; node 0 the job's totals too
-        return WriteResult(manifest.result, str(out), str(source), kinds[-1].value, revision,
+        return WriteResult(manifest.result, str(out), str(source), kinds[-1], revision,
                            node=manifest.copy.node, copies=manifest.copies, fetched=manifest.copy.fetched)
-    return WriteResult(manifest, str(out), str(source), kinds[-1].value, revision)
+    return WriteResult(manifest, str(out), str(source), kinds[-1], revision)
 
 
 def _plan_for_write(opened, mesh: MeshSpec, mode, dequantize: str | None, drop_unloaded: bool) -> tuple:
@@ -294,7 +294,7 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     against = str(source) if not node_local else recorded.source if recorded is not None else None
     return MergeResult(str(dest), str(source), len(job.names), sum(len(p) for p in job.parts),
                        len({t.target.name for p in job.parts for t in p}), sum(job.unit_sizes),
-                       job.layout_mode.value, job.index.kind, job.checked, len(job.layout.extras),
+                       job.layout_mode, Kind(job.index.kind), job.checked, len(job.layout.extras),
                        left_out(job.index, job.layout), against)
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
+from enum import Enum
 
-from .manifest import write_label
+from .manifest import Manifest, write_label
+from .plan.layout import MergeLayout
+from .read.source import Kind
 from .words import mib, plural
 
 UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
@@ -71,10 +74,11 @@ class WriteResult:
     """`reshard write`: the manifest written, and how to check and load the folder.
 
     Attributes:
-        manifest: the `reshard.manifest.Manifest` of OUT.
+        manifest: the manifest of OUT.
         out: OUT as given.
         source: SRC as given.
-        source_kind: `checkpoint`, `reshard` or `saved` (a folder from mesh to mesh).
+        source_kind: what SRC is (`reshard.read.source.Kind`: a checkpoint, or a reshard or saved folder written
+            from mesh to mesh).
         revision: the Hub revision asked for, or None.
         verify_against: the SRC `verify --against` can compare with (None for a reshard or saved SRC).
         node: after a node-local write, the node whose copy `manifest` is (`node 1 (host, ranks 4-7)`).
@@ -82,10 +86,10 @@ class WriteResult:
         fetched: after a node-local write from a remote SRC, the bytes this node's ranks fetched from it.
     """
 
-    manifest: object
+    manifest: Manifest
     out: str
     source: str
-    source_kind: str
+    source_kind: Kind
     revision: str | None = None
     node: str | None = None
     copies: tuple = ()
@@ -99,8 +103,8 @@ class WriteResult:
         m = self.manifest
         return _dump({"out": self.out, "files": len(m.files), "bytes": m.bytes, "tensors": len(m.tensors),
                       "dequantized_tensors": m.dequantized, "empty_markers": m.empty_markers,
-                      "source_crc32_checked": self.source_kind == "reshard", "extras": self.extras,
-                      "layout": m.layout, "mesh": m.mesh.to_dict(),
+                      "source_crc32_checked": self.source_kind is Kind.RESHARD, "extras": self.extras,
+                      "layout": m.layout.value, "mesh": m.mesh.to_dict(),
                       "distributed_config": m.mesh.distributed_config_kwargs()})
 
     def summary(self) -> str:
@@ -115,10 +119,10 @@ class WriteResult:
             lines.append(f"fetched from {self.source} by this node's ranks: {self.fetched:,} bytes "
                          f"({mib(self.fetched)})")
         lines += self._job_lines()
-        if self.source_kind == "saved":
+        if self.source_kind is Kind.SAVED:
             lines.append(UNCHECKED_SAVED)
         # A folder in the distributed-checkpoint layout is no `--against` source: verify checks the output on its own.
-        against = self.source if self.source_kind == "checkpoint" else None
+        against = self.source if self.source_kind is Kind.CHECKPOINT else None
         lines.append("next:\n  " + verify_line(self.out, against, self.revision)
                      + f"\n  load: reshard.from_pretrained({self.out!r}) on every rank of the job "
                        f"({m.mesh.distributed_config_repr()})")
@@ -127,7 +131,7 @@ class WriteResult:
 
     def _whose(self) -> str:
         """Which copy this is, said as verify says it: a node's copy holds some ranks' files only."""
-        holds = getattr(self.manifest, "holds", None)
+        holds = self.manifest.holds
         if holds is None:
             return ""
         from .plan.ranks import RankSpans
@@ -153,12 +157,19 @@ class WriteResult:
 
 # ---- verify ----------------------------------------------------------------------------------------------------------
 
+class Checked(str, Enum):
+    """What `reshard verify` checked."""
+
+    RESHARD = "reshard"  # a reshard folder
+    MERGED = "merged"  # a plain Hugging Face checkpoint, as `merge` writes it
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     """`reshard verify`: what was checked and every problem found (`ok` when there is none).
 
     Attributes:
-        kind: `reshard` (a reshard folder) or `merged` (a plain Hugging Face checkpoint, as `merge` writes it).
+        kind: a reshard folder or a merged one (`Checked`).
         ranks: the ranks whose files were checked, as spans (None: every rank's).
         write_id: the write the folder or node's copy belongs to (its manifest's `write_id`; None: not recorded).
     """
@@ -172,14 +183,14 @@ class VerifyResult:
     bytes_compared: int
     dequantized_tensors: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
-    kind: str = "reshard"
+    kind: Checked = Checked.RESHARD
     ranks: str | None = None
     write_id: str | None = None
 
     def to_json(self) -> str:
         document = {"ok": self.ok, "folder": self.folder, "against": self.against}
-        if self.kind == "merged":
-            document["kind"] = "merged"
+        if self.kind is Checked.MERGED:
+            document["kind"] = self.kind.value
         document.update(files=self.files, tensors=self.tensors, empty_markers=self.empty_markers,
                         bytes_compared=self.bytes_compared, dequantized_tensors=list(self.dequantized_tensors),
                         problems=list(self.problems))
@@ -190,7 +201,7 @@ class VerifyResult:
         return _dump(document)
 
     def summary(self) -> str:
-        if self.kind == "merged":
+        if self.kind is Checked.MERGED:
             what = f"{plural(self.files, 'file')}, {plural(self.tensors, 'checkpoint key')}, index and headers agree"
         else:
             what = (f"{plural(self.files, 'file')}, {plural(self.tensors, 'model tensor')}, "
@@ -202,13 +213,13 @@ class VerifyResult:
                 + (f", {self.bytes_compared} bytes of tensor data equal to {self.against}" if self.against else "")
                 + (f" ({plural(len(self.dequantized_tensors), 'tensor')} recomputed from its quantized weights)"
                    if self.dequantized_tensors else "") + "."
-                + (f" Part of {write_label(self.write_id)}." if self.kind == "reshard" else ""))
+                + (f" Part of {write_label(self.write_id)}." if self.kind is Checked.RESHARD else ""))
 
     def failure(self) -> str:
         """The one line that ends a failed verify; files missing from a whole folder may be a node's copy staged by
         hand, which `--ranks` checks."""
         line = f"{self.folder}: {plural(len(self.problems), 'problem')}."
-        if self.ranks is None and self.kind == "reshard" and any(": missing" in p for p in self.problems):
+        if self.ranks is None and self.kind is Checked.RESHARD and any(": missing" in p for p in self.problems):
             line += (" If this is one node's copy (staged with `reshard files --ranks`), check it with "
                      "`reshard verify OUT --ranks FIRST-LAST`.")
         return line
@@ -249,6 +260,8 @@ class MergeResult:
         tensors: the tensors written, under the keys of `layout` (checkpoint keys for `original`, model tensors for
             `fused`), the extras included.
         model_tensors: the model's in-memory tensors they hold.
+        layout: how the tensors are named (`MergeLayout`).
+        source_kind: what SRC is (`reshard.read.source.Kind`: a reshard or saved folder).
         left_out: what the merge could not write back, or None.
         against: what the next line's `verify --against` compares DEST with (SRC; after `--node-local`, the
             original checkpoint the copies were written from, None when unknown).
@@ -260,8 +273,8 @@ class MergeResult:
     tensors: int
     model_tensors: int
     bytes: int
-    layout: str
-    source_kind: str
+    layout: MergeLayout
+    source_kind: Kind
     source_crc32_checked: bool
     extras: int
     left_out: str | None = None
@@ -269,13 +282,13 @@ class MergeResult:
 
     def to_json(self) -> str:
         return _dump({"dest": self.dest, "files": self.files, "tensors": self.tensors, "bytes": self.bytes,
-                      "layout": self.layout, "source_kind": self.source_kind,
+                      "layout": self.layout.value, "source_kind": self.source_kind.value,
                       "source_crc32_checked": self.source_crc32_checked, "extras": self.extras,
                       "left_out": self.left_out})
 
     def summary(self) -> str:
         what = (plural(self.tensors, "checkpoint key") + f" (the source's on-disk layout, {self.model_tensors} model "
-                "tensors)" if self.layout == "original" else plural(self.tensors, "model tensor") + " (fused layout)")
+                "tensors)" if self.layout is MergeLayout.ORIGINAL else plural(self.tensors, "model tensor") + " (fused layout)")
         lines = [f"merged {self.source} into {self.dest}: {plural(self.files, 'file')} ({mib(self.bytes)} with "
                  f"headers), {what}"
                  + (f"; {self.extras} of them the model does not load (MTP layers, ...)." if self.extras else ".")]

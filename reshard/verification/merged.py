@@ -9,49 +9,50 @@ from dataclasses import replace
 from ..errors import ReshardError, UsageError
 from ..manifest import tied_from_record
 from ..plan.dtypes import DTYPE_BITS
+from ..plan.layout import MergeLayout
 from ..read.checkpoint import INDEX_NAME
 from ..read.source import Kind
-from ..results import VerifyResult
+from ..results import Checked, VerifyResult
 from ..runs.byte_runs import chunk_runs
+from ..write.merge_index import MergeIndex
 from .common import COMPARE_BLOCK, open_to_check
 
 
 def check_merged(location, *, against=None, revision: str | None = None, progress: bool | None = None) -> VerifyResult:
     """`check_folder` for a plain HF checkpoint (what `reshard merge` writes): the index agrees with the headers and
     its `metadata.total_size`; with `against` (the original HF checkpoint, a reshard folder or a saved distributed
-    checkpoint), the key set is the source's on-disk one (`--layout original`) or its in-memory names (`fused`), and
-    every in-memory tensor, read through each side's own key mapping, equals the source's byte for byte."""
-    result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0, kind="merged")
+    checkpoint), the key set is the source's on-disk one (`--layout original`) or its in-memory names (`fused`): the
+    one the index records, when `reshard merge` wrote it (`MergeIndex.layout`), and every in-memory tensor, read
+    through each side's own key mapping, equals the source's byte for byte."""
+    result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0, kind=Checked.MERGED)
     try:
         dest = open_to_check(location.spec).index
     except ReshardError as e:
         return replace(result, problems=(str(e),))
     problems: list[str] = []
-    metadata = _merge_metadata(dest.store)
-    if isinstance(metadata, str):
-        problems.append(metadata)
-    elif metadata is not None and metadata.get("total_size") != dest.total_bytes:
-        problems.append(f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')}, the tensors hold "
+    index = _merge_index(dest.store)
+    if isinstance(index, str):
+        problems.append(index)
+    elif index is not None and index.total_size != dest.total_bytes:
+        problems.append(f"{INDEX_NAME}: metadata.total_size is {index.total_size}, the tensors hold "
                         f"{dest.total_bytes} bytes")
     compared = 0
     if against is not None and not problems:
-        extras_from = metadata.get("extras_from") if isinstance(metadata, dict) else None
-        compared = _compare_merged(dest, against, revision, extras_from, progress, problems)
+        compared = _compare_merged(dest, against, revision, index, progress, problems)
     return replace(result, ok=not problems, files=len(dest.files), tensors=len(dest.tensors),
                  bytes_compared=compared, problems=tuple(problems))
 
 
-def _merge_metadata(store) -> dict | str | None:
-    """The `metadata` of a merged folder's index (None without an index; a problem as a string)."""
+def _merge_index(store) -> MergeIndex | str | None:
+    """A merged folder's index (`MergeIndex`; None without one; a problem as a string)."""
     if INDEX_NAME not in store.names():
         return None
     try:
-        metadata = json.loads(store.read_all(INDEX_NAME, 64 << 20, "safetensors index"))["metadata"]
-        if not isinstance(metadata, dict):
-            raise TypeError("metadata is not an object")
-        return metadata
-    except (OSError, ValueError, KeyError, TypeError, ReshardError) as e:
-        return f"{INDEX_NAME}: no metadata.total_size ({type(e).__name__}: {e})"
+        return MergeIndex.from_document(json.loads(store.read_all(INDEX_NAME, 64 << 20, "safetensors index")))
+    except ReshardError as e:  # names the index and what is wrong in it
+        return str(e)
+    except (OSError, ValueError, RecursionError) as e:
+        return f"{INDEX_NAME}: unreadable ({type(e).__name__}: {e})"
 
 
 def _source_view(against, revision):
@@ -74,11 +75,12 @@ def _source_view(against, revision):
             ({t.name for t in layout.tensors} - tied) | extras)
 
 
-def _compare_merged(dest, against, revision, extras_from, progress, problems) -> int:
+def _compare_merged(dest, against, revision, index: MergeIndex | None, progress, problems) -> int:
     from tqdm.auto import tqdm
 
     from ..read.experts import find_experts
 
+    extras_from = None if index is None else index.extras_from
     src_index, src_layout, original_keys, fused_keys = _source_view(against, revision)
     sources = [(t, src_index) for t in (*src_layout.tensors, *src_layout.extras)]
     if extras_from is not None and not src_layout.extras:  # a trained folder merged with `--extras-from`
@@ -87,11 +89,8 @@ def _compare_merged(dest, against, revision, extras_from, progress, problems) ->
         original_keys = None if original_keys is None else original_keys | names
         fused_keys |= names
         sources += [(t, extras_index) for t in extras_layout.extras]
-    keys = set(dest.tensors)
-    if keys != original_keys and keys != fused_keys:
-        expected = original_keys if original_keys is not None else fused_keys
-        problems.append(f"the keys are neither the source's on-disk ones nor its in-memory names: missing "
-                        f"{sorted(expected - keys)[:3]}, extra {sorted(keys - expected)[:3]}")
+    if (problem := _keys_problem(set(dest.tensors), original_keys, fused_keys, index)) is not None:
+        problems.append(problem)
         return 0
     try:
         found = find_experts(dest)
@@ -120,6 +119,30 @@ def _compare_merged(dest, against, revision, extras_from, progress, problems) ->
     finally:
         bar.close()
     return compared
+
+
+def _keys_problem(keys: set[str], original_keys: set[str] | None, fused_keys: set[str],
+                  index: MergeIndex | None) -> str | None:
+    """Why the merged folder's `keys` are not the source's in the layout its index records (either layout when it
+    records none), or None."""
+    recorded = None if index is None else index.layout
+    if recorded is None:
+        if keys in (original_keys, fused_keys):
+            return None
+        expected = original_keys if original_keys is not None else fused_keys
+        return (f"the keys are neither the source's on-disk ones nor its in-memory names: missing "
+                f"{sorted(expected - keys)[:3]}, extra {sorted(keys - expected)[:3]}")
+    original = recorded is MergeLayout.ORIGINAL
+    expected, other = (original_keys, fused_keys) if original else (fused_keys, original_keys)
+    if keys == expected:
+        return None
+    held = f" (they are the {'fused' if original else 'original'} layout's)" if keys == other else ""
+    if expected is None:
+        return (f"{INDEX_NAME} records the {recorded.value} layout, but the source's on-disk layout is unknown, so "
+                f"the keys cannot be checked against it{held}")
+    return (f"{INDEX_NAME} records the {recorded.value} layout, but the keys are not the source's "
+            f"{'on-disk ones' if original else 'in-memory names'}{held}: missing {sorted(expected - keys)[:3]}, "
+            f"extra {sorted(keys - expected)[:3]}")
 
 
 def _compare_runs(a, b, store_a, store_b, bar) -> int | None:

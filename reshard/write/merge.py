@@ -34,12 +34,12 @@ from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
 from ..words import plural
 from .files import copy_source_file, safetensors_header, write_safetensors
+from .merge_index import MergedFile, MergeIndex
 from .output import headers_digest
 from .staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, staged_output
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
 MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
-MERGE_MARK = "reshard merge"  # `metadata.written_by` of the index: tells a merge output from other folders
 
 
 @dataclass(frozen=True)
@@ -216,15 +216,14 @@ def not_a_merge_output(out: Path) -> str | None:
     if not entries or MANIFEST_NAME in entries:
         return not_a_reshard_output(out)
     try:
-        index = json.loads((out / INDEX_NAME).read_text())
-        metadata = index["metadata"]
-        if metadata.get("written_by") != MERGE_MARK:
-            return f"its {INDEX_NAME} was not written by reshard merge"
-        ours = {INDEX_NAME, *index["weight_map"].values(), *metadata["copied"]}
+        index = MergeIndex.from_document(json.loads((out / INDEX_NAME).read_text()))
     except FileNotFoundError:
         return f"it holds {', '.join(entries[:5])} and neither {INDEX_NAME} nor {MANIFEST_NAME}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # CheckpointError is a ValueError
         return f"its {INDEX_NAME} cannot be read as a merge output's ({type(e).__name__}: {e})"
+    if not index.merged:
+        return f"its {INDEX_NAME} was not written by reshard merge"
+    ours = {INDEX_NAME, *index.weight_map.values(), *index.copied}
     foreign = not_ours(out, entries, ours)
     if foreign:
         return f"it is a merge output but also holds {', '.join(foreign[:5])}, which reshard did not write"
@@ -279,7 +278,7 @@ class MergeJob:
         return sum(self.unit_sizes) + sum(self.index.store.size(name) for name in self.copied)
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
-                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
+                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, MergedFile]]:
         units = list(units)
         engine = Engine(self.index, progress, source_crcs, planned_bytes=sum(self.unit_sizes[u] for u in units))
         entries = []
@@ -302,24 +301,19 @@ class MergeJob:
         chunks = [ChunkSpec(t.key, t.dtype, t.shape, (), t.nbytes, i) for i, t in enumerate(tensors)]
         return safetensors_header(chunks, {"format": "pt"}), [(t.nbytes, t.target, t.box) for t in tensors]
 
-    def entry(self, unit: int) -> tuple[int, dict]:
+    def entry(self, unit: int) -> tuple[int, MergedFile]:
         """Output file `unit`'s entry for `finish`: its name and keys."""
-        return unit, {"name": self.names[unit], "keys": [t.key for t in self.parts[unit]]}
+        return unit, MergedFile(self.names[unit], tuple(t.key for t in self.parts[unit]))
 
-    def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs) -> dict:
+    def finish(self, tmp: Path, entries: list[MergedFile], out: Path, source_crcs: SourceCrcs) -> MergeIndex:
         """The copied files and the index, last (no weight is read: `source_crcs` is as the writers left it);
-        returns the index document."""
+        returns the index."""
         for name in self.copied:
             copy_source_file(self.index.store, name, tmp / name)
-        weight_map = {key: entry["name"] for entry in entries for key in entry["keys"]}
-        document = {"metadata": {"total_size": sum(self.unit_sizes), "written_by": MERGE_MARK,
-                                 "tool": f"reshard {__version__}", "layout": self.layout_mode.value,
-                                 "copied": self.copied,
-                                 # where the extras came from: `verify DEST --against SRC` compares them there
-                                 **({"extras_from": self.extras_from} if self.extras_from is not None else {})},
-                    "weight_map": weight_map}
-        (tmp / INDEX_NAME).write_text(json.dumps(document, indent=2) + "\n")
-        return document
+        index = MergeIndex.of_merge(entries, sum(self.unit_sizes), self.layout_mode, self.copied, self.extras_from,
+                                    f"reshard {__version__}")
+        (tmp / INDEX_NAME).write_text(index.to_json())
+        return index
 
     def identity(self, out: Path, overwrite: bool) -> dict:
         return {"OUT": str(out), "layout": self.layout_mode.value,
