@@ -491,6 +491,51 @@ def test_the_constructor_validates_and_tolerates_unknown_sections(written):
         Manifest.from_document({**doc, "mesh": {**doc["mesh"], "fsdp": 0}}, out)
 
 
+@pytest.mark.parametrize("how", [{}, {"mode": "stock"}, {"ranks": "2-3"}], ids=["balanced", "stock", "ranks"])
+def test_the_writer_types_its_manifest_as_its_document_reads_back(written, tmp_path, monkeypatch, how):
+    """The writer builds the manifest from its typed values (the plan, typed file entries), never parsing its own
+    document back: what it returns equals what its `reshard.json` parses to, field by field."""
+    import reshard.manifest.parsed
+    from reshard.manifest import FileEntry
+    from reshard.plan.placement import LayoutMode
+
+    def refuse(document):
+        raise AssertionError("the writer parsed its own manifest back")
+
+    _, src, _ = written
+    out = tmp_path / "out"
+    with monkeypatch.context() as patched:
+        patched.setattr(reshard.manifest.parsed, "validate_manifest", refuse)
+        built = write_checkpoint(src, out, MeshSpec(fsdp=FSDP, ep=EP), progress=False, **how).manifest
+    assert built.to_json() == (out / MANIFEST_NAME).read_text()
+    assert built == read_manifest(out)  # every field (the document itself is not compared)
+    assert built.layout is LayoutMode(how.get("mode", "balanced"))
+    assert all(type(f) is FileEntry for f in built.files)
+    assert (built.holds is None) == ("ranks" not in how)
+
+
+def test_a_manifest_goes_to_a_worker_process_as_its_typed_value(written, monkeypatch):
+    """Pickled (as `--workers` sends a job), a manifest is its typed value: nothing is validated again."""
+    import pickle
+    from types import MappingProxyType
+
+    import reshard.manifest.parsed
+
+    out, _, _ = written
+    manifest = read_manifest(out)
+    manifest.file_entry(VICTIM)  # a cached view: not part of what is sent
+
+    def refuse(document):
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(reshard.manifest.parsed, "validate_manifest", refuse)
+    copy = pickle.loads(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL))
+    assert copy == manifest and copy.to_json() == manifest.to_json() and copy.where == manifest.where
+    assert isinstance(copy.tensors, MappingProxyType) and isinstance(copy.source.header_sha256, MappingProxyType)
+    assert copy.original_layout() == manifest.original_layout()
+    assert copy.chunks(copy.file_entry(VICTIM)) == manifest.chunks(manifest.file_entry(VICTIM))
+
+
 # ---- property-based: mutated manifests and headers end in a ReshardError or an exact load ---------------------------
 
 HOSTILE_NAMES = ["/dev/zero", "/etc/passwd", "../x.safetensors", "..", ".", "", "a/b.safetensors", "a\\b", "x\0y",

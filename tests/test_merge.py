@@ -134,6 +134,37 @@ def test_verify_of_a_merged_folder_catches_a_changed_byte(written, tmp_path):
     assert result.exit_code == 1 and "differs from the source" in result.output
 
 
+def test_the_merge_index_is_typed_and_verify_checks_the_layout_it_records(written, tmp_path):
+    """The index a merge writes parses back to the value it was written from (`MergeIndex`); verify refuses a merged
+    folder whose index records a layout its keys are not in."""
+    import reshard
+    from reshard.errors import VerifyError
+    from reshard.plan.layout import MergeLayout
+    from reshard.results import Checked
+    from reshard.write.merge_index import MergeIndex
+
+    src, folder = written
+    for layout, other in (("fused", "original"), ("original", "fused")):
+        dest = tmp_path / layout
+        merge_checkpoint(folder, dest, layout=layout, progress=False)
+        path = dest / "model.safetensors.index.json"
+        text = path.read_text()
+        index = MergeIndex.from_document(json.loads(text))
+        assert index.merged and index.layout is MergeLayout(layout) and index.to_json() == text
+        assert reshard.verify(dest, against=src).kind is Checked.MERGED
+        document = json.loads(text)
+        document["metadata"]["layout"] = other
+        path.write_text(json.dumps(document, indent=2) + "\n")
+        assert check_folder(dest).ok  # without --against there is no source to name the keys
+        with pytest.raises(VerifyError, match=re.escape(f"records the {other} layout, but the keys are not the "
+                                                        f"source's") + r".*\(they are the " + layout):
+            reshard.verify(dest, against=src)
+    document["metadata"]["layout"] = "sideways"
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    with pytest.raises(VerifyError, match=re.escape('metadata.layout is "sideways"')):
+        reshard.verify(dest)
+
+
 # ---- bad inputs: a clear message, nothing written -------------------------------------------------------------
 
 def _refused(source: Path, dest: Path, said: str, *more: str, layout: str = "original") -> str:
