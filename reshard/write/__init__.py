@@ -4,5 +4,5 @@ from one process), and `merge` back to the Hugging Face layout.
 Its modules are what it exports (`__all__`); their names are used through them, e.g. `reshard.write.distributed`.
 """
 
-__all__ = ["bucket", "distributed", "durable", "files", "lock", "merge", "nodes", "output", "peers", "ranks", "runner",
-           "shards", "spread", "staged", "workers"]
+__all__ = ["bucket", "distributed", "durable", "files", "lock", "merge", "merge_index", "nodes", "output", "peers",
+           "ranks", "runner", "shards", "spread", "staged", "workers"]
