@@ -247,7 +247,7 @@ class _Rank:
 
     # ---- 2. every rank writes its share into its team's temporary folder ----------------------------------------
 
-    def _write_share(self, job, start: dict) -> tuple[list[dict], SourceCrcs | None]:
+    def _write_share(self, job, start: dict) -> tuple[list, SourceCrcs | None]:
         """Write this rank's share; on the team's leader, the team's file entries in unit order and source CRC-32s."""
         ranks = self.ranks
         if self.spread:
@@ -321,7 +321,7 @@ class _Rank:
         self.records = records if self.stage is None else None
         return pairs
 
-    def _serve(self) -> tuple[list[dict], None]:
+    def _serve(self) -> tuple[list, None]:
         """A rank off node 0 while node 0's ranks gather: serve this node's files until they are done."""
         try:
             result = self.peers.serve(self.store.files)
@@ -393,7 +393,7 @@ class _Rank:
         except Stopped:
             pass
 
-    def _finish(self, job, entries: list[dict], source_crcs: SourceCrcs):
+    def _finish(self, job, entries: list, source_crcs: SourceCrcs):
         ranks = self.ranks
         self._show_all_bytes()
         try:
@@ -436,7 +436,7 @@ class _Rank:
 
     # ---- 3. node-local: every leader completes its folder, all say they are ready, then all swap them in ---------
 
-    def _finish_nodes(self, job, entries: list[dict], source_crcs: SourceCrcs | None):
+    def _finish_nodes(self, job, entries: list, source_crcs: SourceCrcs | None):
         ranks, result, problem = self.ranks, None, None
         self._show_all_bytes()
         if self.leads:

@@ -45,14 +45,15 @@ class OutputJob(Protocol):
         """Bytes the whole output needs (the free-space check)."""
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
-                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, dict]]:
-        """Write the files of `units` into `tmp`: `(unit, file entry)` each, in unit then part order. The CRC-32s
+                    source_crcs: SourceCrcs | None = None) -> list[tuple]:
+        """Write the files of `units` into `tmp`: `(unit, file entry)` each, in unit then part order, the entry typed
+        (a write's `reshard.manifest.FileEntry`, a merge's `reshard.write.merge_index.MergedFile`). The CRC-32s
         of the source ranges read go to `source_crcs` (None: checked here, before returning)."""
 
-    def finish(self, tmp: Path, entries: list[dict], out: Path, source_crcs: SourceCrcs):
+    def finish(self, tmp: Path, entries: list, out: Path, source_crcs: SourceCrcs):
         """Complete `tmp`, the temporary folder of `out`, from every file entry (in unit order): the rest of its
-        files, the index or manifest last; returns what the command returns. What it reads of the source goes to
-        `source_crcs`; the caller checks them all after it."""
+        files, the index or manifest last; returns what the command returns (a write's `Manifest`, a merge's
+        `MergeIndex`). What it reads of the source goes to `source_crcs`; the caller checks them all after it."""
 
     def identity(self, out: Path, overwrite: bool) -> dict:
         """What must be the same on every rank of a distributed job for their shares to fit together."""
@@ -126,7 +127,7 @@ def headers_digest(index) -> str:
     return hashlib.sha256(json.dumps([(f.name, f.digest) for f in index.files]).encode()).hexdigest()
 
 
-def in_unit_order(pairs: list[tuple[int, dict]]) -> list[dict]:
+def in_unit_order(pairs: list[tuple]) -> list:
     """The file entries of `(unit, entry)` pairs, in unit order (a stable sort keeps each unit's parts in order)."""
     return [entry for _, entry in sorted(pairs, key=lambda pair: pair[0])]
 

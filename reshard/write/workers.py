@@ -169,7 +169,7 @@ def _stop_workers(procs: list) -> None:
 
 
 def write_with_workers(job, tmp: Path, workers: int, source_crcs: SourceCrcs, *,
-                       progress=None) -> list[tuple[int, dict]]:
+                       progress=None) -> list[tuple]:
     """Write every unit's files of `job` into `tmp` with `workers` processes, each a share balanced by bytes.
 
     Args:
