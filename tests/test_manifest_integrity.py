@@ -30,7 +30,7 @@ from reshard.errors import LoadError, ManifestError, ReshardError, VerifyError
 from reshard.load.loader import assemble_state_dict
 from reshard.manifest import MANIFEST_NAME, Manifest, file_crc32, read_manifest
 from reshard.plan.mesh import MeshSpec
-from reshard.read.source import open_source
+from reshard.read.source import Kind, open_source
 from reshard.verification import check_folder
 
 from conftest import examples, hang_guard, rank_reports, run_ranks
@@ -506,7 +506,10 @@ def test_the_writer_types_its_manifest_as_its_document_reads_back(written, tmp_p
     out = tmp_path / "out"
     with monkeypatch.context() as patched:
         patched.setattr(reshard.manifest.parsed, "validate_manifest", refuse)
-        built = write_checkpoint(src, out, MeshSpec(fsdp=FSDP, ep=EP), progress=False, **how).manifest
+        result = write_checkpoint(src, out, MeshSpec(fsdp=FSDP, ep=EP), progress=False, **how)
+    built = result.manifest
+    assert result.source_kind is Kind.CHECKPOINT  # an enum, printed as its value
+    assert json.loads(result.to_json())["layout"] == how.get("mode", "balanced")
     assert built.to_json() == (out / MANIFEST_NAME).read_text()
     assert built == read_manifest(out)  # every field (the document itself is not compared)
     assert built.layout is LayoutMode(how.get("mode", "balanced"))

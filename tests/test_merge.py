@@ -140,13 +140,15 @@ def test_the_merge_index_is_typed_and_verify_checks_the_layout_it_records(writte
     import reshard
     from reshard.errors import VerifyError
     from reshard.plan.layout import MergeLayout
+    from reshard.read.source import Kind
     from reshard.results import Checked
     from reshard.write.merge_index import MergeIndex
 
     src, folder = written
     for layout, other in (("fused", "original"), ("original", "fused")):
         dest = tmp_path / layout
-        merge_checkpoint(folder, dest, layout=layout, progress=False)
+        result = merge_checkpoint(folder, dest, layout=layout, progress=False)
+        assert result.layout is MergeLayout(layout) and result.source_kind is Kind.RESHARD  # enums, not strings
         path = dest / "model.safetensors.index.json"
         text = path.read_text()
         index = MergeIndex.from_document(json.loads(text))
