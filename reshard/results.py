@@ -14,6 +14,7 @@ from enum import Enum
 
 from .manifest import Manifest, write_label
 from .plan.layout import MergeLayout
+from .plan.placement import ReshardPlan
 from .read.source import Kind
 from .words import mib, plural
 
@@ -39,12 +40,12 @@ class PlanResult:
     """`reshard plan`: the plan (None when the checkpoint has no routed experts) and the `write` line to run next.
 
     Attributes:
-        plan: the `reshard.plan.placement.ReshardPlan`, or None.
+        plan: the plan, or None.
         source: the source as given.
         write_line: the `reshard write` command for this mesh and these flags, with OUT to name.
     """
 
-    plan: object
+    plan: ReshardPlan | None
     source: str
     write_line: str = ""
 
