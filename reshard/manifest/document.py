@@ -109,7 +109,7 @@ def _tensor(tp, index) -> dict:
 def _tensor_info(tp, record: dict) -> TensorInfo:
     """The typed entry of tensor `tp`, beside its document `record` (whose `dequantized_from` it shares)."""
     tensor, dequantized = tp.tensor, record.get("dequantized_from")
-    return TensorInfo(tensor.name, tuple(tensor.shape), tensor.dtype, tensor.role.value, tensor.is_param, tp.planned,
+    return TensorInfo(tensor.name, tuple(tensor.shape), tensor.dtype, tensor.role, tensor.is_param, tp.planned,
                       None if dequantized is None else MappingProxyType(dequantized))
 
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 
+from ..plan.layout import Role
 from ..plan.mesh import MeshSpec
 from ..plan.placement import Kind, Placement, local_box
 
@@ -36,7 +37,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    role: str
+    role: Role
     is_param: bool
     placement: Placement
     dequantized_from: Mapping | None = None

@@ -100,7 +100,7 @@ def _tensors(data: dict) -> tuple[dict[str, TensorInfo], tuple[str, ...]]:
         ep = _get(p, "ep", f"{where}.placement", _positive, "a positive integer")
         dequantized = _get(info, "dequantized_from", where, lambda v: v is None or _dict(v), "an object",
                            optional=True)
-        tensors[name] = TensorInfo(name, tuple(shape), dtype, role, is_param, Placement(kind, dim, degree, ep),
+        tensors[name] = TensorInfo(name, tuple(shape), dtype, Role(role), is_param, Placement(kind, dim, degree, ep),
                                    None if dequantized is None else MappingProxyType(dequantized))
     if not all(isinstance(n, str) for n in order) or len(set(order)) != len(order) or set(order) != set(tensors):
         reject("order", order, "it must name every tensor of `tensors` exactly once")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointError
 from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, SHARD_FILE_NAME, coverage_problem,
                         header_problems, read_manifest, region_text, tied_from_record)
-from ..plan.layout import ModelLayout, Piece, Role, TargetTensor, role_of, whole_tensor
+from ..plan.layout import ModelLayout, Piece, TargetTensor, role_of, whole_tensor
 from ..plan.mesh import ranks_text
 from ..plan.ranks import RankSpans
 from ..words import plural
@@ -134,7 +134,7 @@ def _read_reshard_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
     for name in manifest.order:
         info = manifest.tensors[name]
         target = _place(name, info.shape, chunks[name], entries, spec, dtype=info.dtype)
-        tensors.append(TargetTensor(name, target[0], target[1], Role(info.role), info.is_param, target[2]))
+        tensors.append(TargetTensor(name, target[0], target[1], info.role, info.is_param, target[2]))
     extra_headers, extras = _recorded_extras(store, manifest, entries, spec)
     headers += extra_headers
     layout = ModelLayout(manifest.source.model_type, manifest.source.architecture, tuple(tensors),
