@@ -239,17 +239,17 @@ from reshard.cli import cli
 from reshard.runs.engine import Engine
 
 marker, go = Path(sys.argv[1]), Path(sys.argv[2])
-fill = Engine.fill
+def paused(fill):  # after every header was read, before the first byte of data
+    def pausing(self, *args, **kwargs):
+        if not marker.exists():
+            marker.touch()
+            deadline = time.monotonic() + 60
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return fill(self, *args, **kwargs)
+    return pausing
 
-def paused(self, *args, **kwargs):  # after every header was read, before the first byte of data
-    if not marker.exists():
-        marker.touch()
-        deadline = time.monotonic() + 60
-        while not go.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-    return fill(self, *args, **kwargs)
-
-Engine.fill = paused
+Engine.fill, Engine.fill_together = paused(Engine.fill), paused(Engine.fill_together)
 cli(sys.argv[3:])
 """
 

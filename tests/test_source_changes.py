@@ -43,15 +43,18 @@ def replace_on_first_fill(monkeypatch, action, *, workers: int = 1) -> list:
     """Run `action()` once, when the engine starts filling its first output file (with workers: when the parent
     starts them): after every header was read, before a byte of data is copied."""
     done: list = []
-    owner, name = (Engine, "fill") if workers == 1 else (output_module, "write_with_workers")
-    original = getattr(owner, name)
+    # one file at a time (`fill`), or the files of a remote source together (`fill_together`)
+    owner, names = (Engine, ("fill", "fill_together")) if workers == 1 else (output_module, ("write_with_workers",))
 
-    def after(*args, **kwargs):
-        if not done:
-            done.append(action())
-        return original(*args, **kwargs)
+    def after(original):
+        def first(*args, **kwargs):
+            if not done:
+                done.append(action())
+            return original(*args, **kwargs)
+        return first
 
-    monkeypatch.setattr(owner, name, after)
+    for name in names:
+        monkeypatch.setattr(owner, name, after(getattr(owner, name)))
     return done
 
 

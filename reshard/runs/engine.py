@@ -94,6 +94,40 @@ class Engine:
         self._check_sources()
         return crc
 
+    def fill_together(self, outputs: list[tuple[int, bytes, list]], *, checksum: bool = True) -> list[int | None]:
+        """`fill` for several output files, `(out_fd, header, boxes)` each; their CRC-32s (None without `checksum`).
+
+        From a remote source the files are filled together: each source range is requested once for all of them, in
+        source order (`fetch.fill_fetched`), not once per file in the pieces each needs. Local sources and computed
+        chunks are filled one file after another, as `fill` does."""
+        crcs: dict[int, int | None] = {}
+        fetched: list[tuple[int, tuple[int, bytes, list]]] = []
+        for i, (out_fd, header, boxes) in enumerate(outputs):
+            runs = self._fetched_runs(header, boxes)
+            if runs is None:
+                crcs[i] = self._fill(out_fd, header, boxes, checksum)
+            else:
+                fetched.append((i, (out_fd, header, runs)))
+        if fetched:
+            for (i, _), crc in zip(fetched, fill_fetched(self, [output for _, output in fetched])):
+                crcs[i] = crc if checksum else None
+        self._check_sources()
+        return [crcs[i] for i in range(len(outputs))]
+
+    @property
+    def fetches(self) -> bool:
+        """Whether this engine's source is read in ranged requests (a remote store), where filling the files of a job
+        together (`fill_together`) fetches each source range once."""
+        return any(not self._local(entry.file) for entry in self.index.tensors.values())
+
+    def _fetched_runs(self, header: bytes, boxes: list) -> list | None:
+        """The placed runs of a file whose chunks are copied from a remote source, or None (local, or computed)."""
+        dequantizer = self.dequantizer
+        if dequantizer is not None and any(dequantizer.computes(tensor) for _, tensor, _ in boxes):
+            return None
+        placed, _ = placed_runs(len(header), boxes, self.index.tensors)
+        return placed if any(not self._local(run.file) for run in placed) else None
+
     def _check_sources(self) -> None:
         """The local source files read are still the files their headers came from: their bytes were read through
         descriptors of those files, and nothing wrote to them or put another file at their paths meanwhile."""
@@ -107,7 +141,7 @@ class Engine:
             return self._fill_computed(out_fd, header, boxes)
         placed, _ = placed_runs(len(header), boxes, self.index.tensors)
         if any(not self._local(run.file) for run in placed):
-            crc = fill_fetched(self, out_fd, header, placed)  # ranged requests: few, large, bounded
+            crc, = fill_fetched(self, [(out_fd, header, placed)])  # ranged requests: few, large, bounded
             return crc if checksum else None
         checked = any(self.source_crcs.checks(run.file) for run in placed)
         crcs = BlockCrcs(checksum, self.segments_lock)

@@ -1,7 +1,10 @@
-"""Filling an output file from a remote source: its byte runs grouped into few, large ranged requests.
+"""Filling output files from a remote source: their byte runs grouped into few, large ranged requests.
 
 A run is a stretch contiguous in the source and in the output (`reshard.runs.byte_runs`); an output file of a
-remote source may need thousands, one per expert row block. Sorted by source offset, the runs of one file that lie
+remote source may need thousands, one per expert row block. The output files of one job are filled together, so a
+source range that several of them share (the rows of one expert tensor, split over the FSDP ranks) is requested once
+and its pieces written into each file: the source is read front to back, as a plain sequential download would, not
+once per output file in small pieces. Sorted by source offset, the runs that lie
 close together (gaps of at most `GAP` bytes and a quarter of the bytes the request serves, or of `MIN_GAP`) are
 fetched in one request of at most `RANGE` bytes, `DEPTH` in flight while one is written, each read into a buffer
 kept for the next, and written where it belongs. Memory holds `DEPTH + 1` ranges, never a tensor. The output
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..read.range_file import DEPTH, RANGE
 from ..syscalls import Writeback
@@ -23,6 +26,13 @@ from .crc import crc32_combine
 
 GAP = 1 << 20  # bytes of a gap read and dropped rather than paid as another request (a request costs ~ms)
 MIN_GAP = 64 << 10  # a gap this small is always read: next to a request's latency its bytes cost nothing
+
+
+@dataclass(frozen=True)
+class OutputRun(Run):
+    """A run of output file number `out` among the files filled together."""
+
+    out: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,8 +49,8 @@ def spans(runs: list[Run], *, gap: int = GAP, block: int = RANGE) -> list[Span]:
     """The requests that serve `runs`: per file, in source order, neighbours joined across a gap of at most `gap`
     bytes and a quarter of the bytes served so far, while the request stays within `block` bytes; a run longer than
     `block` is served in pieces of `block` bytes."""
-    pieces = [Run(r.file, r.src + o, r.dst + o, min(block, r.nbytes - o)) for r in runs
-              for o in range(0, r.nbytes, block)]
+    pieces = [r if r.nbytes <= block else replace(r, src=r.src + o, dst=r.dst + o, nbytes=min(block, r.nbytes - o))
+              for r in runs for o in range(0, r.nbytes, block)]
     out: list[Span] = []
     current: list[Run] = []
     useful = 0
@@ -64,20 +74,26 @@ def _span(runs: list[Run]) -> Span:
     return Span(runs[0].file, start, max(r.src + r.nbytes for r in runs) - start, tuple(runs))
 
 
-def fill_fetched(engine, out_fd: int, header: bytes, runs: list[Run]) -> int:
-    """Write `header` and the bytes of `runs` into `out_fd`, fetched through the engine's store; the file's CRC-32.
-    Each run's CRC-32 is recorded for a checked source file (`engine.source_crcs`).
+def fill_fetched(engine, outputs: list[tuple[int, bytes, list[Run]]]) -> list[int]:
+    """Write each output's header and the bytes of its runs into its descriptor, `(fd, header, runs)` each, fetched
+    through the engine's store; the files' CRC-32s. Each run's CRC-32 is recorded for a checked source file
+    (`engine.source_crcs`).
 
-    While one request's bytes are written, the next `DEPTH` are in flight, each read straight into a buffer of its
-    own (`Store.readinto`); the buffers, `DEPTH + 1` of at most `RANGE` bytes, are the engine's, kept from file to
-    file (their pages fault in once). A failure cancels the requests not started and waits for the others: nothing
+    The runs of all the outputs are requested together in source order, so a range several outputs need is fetched
+    once. While one request's bytes are written, the next `DEPTH` are in flight, each read straight into a buffer of
+    its own (`Store.readinto`); the buffers, `DEPTH + 1` of at most `RANGE` bytes, are the engine's, kept from call to
+    call (their pages fault in once). A failure cancels the requests not started and waits for the others: nothing
     is left running."""
-    store, crcs = engine.index.store, {}
-    _pwrite_all(out_fd, header, 0)
-    requests = spans(runs, block=RANGE)
+    store = engine.index.store
+    tagged: list[OutputRun] = []
+    for out, (fd, header, runs) in enumerate(outputs):
+        _pwrite_all(fd, header, 0)
+        tagged += [OutputRun(r.file, r.src, r.dst, r.nbytes, out) for r in runs]
+    crcs: list[dict[int, tuple[int, int]]] = [{} for _ in outputs]
+    writebacks = [Writeback(fd) for fd, _, _ in outputs]
+    requests = spans(tagged, block=RANGE)
     slots = min(len(requests), DEPTH + 1)
     buffers = [_buffer(engine, slot, max(r.length for r in requests[slot::slots])) for slot in range(slots)]
-    writeback = Writeback(out_fd)
     pool = ThreadPoolExecutor(max_workers=DEPTH, thread_name_prefix="reshard-fetch")
 
     def fetch(i: int):
@@ -95,17 +111,24 @@ def fill_fetched(engine, out_fd: int, header: bytes, runs: list[Run]) -> int:
             data = buffers[i % slots]
             for run in span.runs:
                 piece = data[run.src - span.start:run.src - span.start + run.nbytes]
-                _pwrite_all(out_fd, piece, run.dst)
-                writeback.wrote(run.nbytes)
-                crcs[run.dst] = (zlib.crc32(piece), run.nbytes)
-                remember(engine.source_crcs.segments(run.file), run, piece, crcs[run.dst][0])
+                _pwrite_all(outputs[run.out][0], piece, run.dst)
+                writebacks[run.out].wrote(run.nbytes)
+                crc = zlib.crc32(piece)
+                crcs[run.out][run.dst] = (crc, run.nbytes)
+                remember(engine.source_crcs.segments(run.file), run, piece, crc)
                 if engine.progress is not None:
                     engine.progress.update(run.nbytes)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    return [_file_crc(header, pieces) for (_, header, _), pieces in zip(outputs, crcs)]
+
+
+def _file_crc(header: bytes, pieces: dict[int, tuple[int, int]]) -> int:
+    """The CRC-32 of a file of `header` and the runs whose `(crc, nbytes)` are keyed by file offset: the runs tile
+    the file's data, so they are combined in file order."""
     crc = zlib.crc32(header)
-    for dst in sorted(crcs):  # the runs tile the file's data: combined in file order
-        crc = crc32_combine(crc, *crcs[dst])
+    for dst in sorted(pieces):
+        crc = crc32_combine(crc, *pieces[dst])
     return crc
 
 

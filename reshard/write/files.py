@@ -55,6 +55,33 @@ def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata
     return crc
 
 
+# Files of a remote source filled together (`Engine.fill_together`): each holds a descriptor while the group is filled.
+FILES_AT_ONCE = 64
+
+
+def files_at_once(engine: Engine, folder: Path) -> int:
+    """How many files written into `folder` the engine fills together: from a remote source, `FILES_AT_ONCE` (each
+    source range is then fetched once for them all); one at a time from a local source, whose kernel copy gains
+    nothing, and into a bucket output's spool, which sends each file as soon as it is whole."""
+    return FILES_AT_ONCE if engine.fetches and folder not in finished_hooks else 1
+
+
+def write_safetensors_together(files: list[tuple[Path, bytes, list]], engine: Engine, *,
+                               checksum: bool = True) -> list[int | None]:
+    """`write_safetensors` for several files, `(path, header, boxes)` each, filled together
+    (`Engine.fill_together`); their CRC-32s."""
+    fds: list[int] = []
+    try:
+        for path, header, boxes in files:
+            fds.append(create_sized(path, len(header) + sum(nbytes for nbytes, _, _ in boxes)))
+        crcs = engine.fill_together([(fd, header, boxes) for fd, (_, header, boxes) in zip(fds, files)],
+                                    checksum=checksum)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return crcs
+
+
 def copy_source_file(store, name: str, dest: Path) -> None:
     """Copy the source's small non-weight file `name` (a config, a tokenizer) to `dest`: with its timestamps when it
     is local, else its bytes."""

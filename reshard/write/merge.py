@@ -33,7 +33,7 @@ from ..read.dcp_source import DcpIndex
 from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
 from ..words import plural
-from .files import copy_source_file, safetensors_header, write_safetensors
+from .files import copy_source_file, files_at_once, safetensors_header, write_safetensors, write_safetensors_together
 from .merge_index import MergedFile, MergeIndex
 from .output import headers_digest
 from .staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, staged_output
@@ -281,19 +281,28 @@ class MergeJob:
                     source_crcs: SourceCrcs | None = None) -> list[tuple[int, MergedFile]]:
         units = list(units)
         engine = Engine(self.index, progress, source_crcs, planned_bytes=sum(self.unit_sizes[u] for u in units))
-        entries = []
+        entries, at_once = [], files_at_once(engine, tmp)
         try:
-            for unit in units:
-                path = tmp / self.names[unit]
-                header, boxes = self.file_layout(unit)
-                write_safetensors(path, [], boxes, None, engine, checksum=False, header=header)
-                if fsync:
-                    fsync_path(path)
-                entries.append(self.entry(unit))
+            for first in range(0, len(units), at_once):
+                group = units[first:first + at_once]
+                self.write_files(tmp, group, engine)
+                for unit in group:
+                    if fsync:
+                        fsync_path(tmp / self.names[unit])
+                    entries.append(self.entry(unit))
             engine.finish()  # without `source_crcs`: a damaged source file is refused before anything is kept
         finally:
             engine.close()
         return entries
+
+    def write_files(self, tmp: Path, units: list[int], engine: Engine) -> None:
+        """Write output files `units` into `tmp`: one by one or, from a remote source, together."""
+        if len(units) == 1:
+            header, boxes = self.file_layout(units[0])
+            write_safetensors(tmp / self.names[units[0]], [], boxes, None, engine, checksum=False, header=header)
+            return
+        write_safetensors_together([(tmp / self.names[u], *self.file_layout(u)) for u in units], engine,
+                                   checksum=False)
 
     def file_layout(self, unit: int) -> tuple[bytes, list]:
         """Output file `unit`'s safetensors header and its chunks `(nbytes, tensor, box)`, in file order."""

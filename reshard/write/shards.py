@@ -24,7 +24,7 @@ from ..plan.placement import ReshardPlan
 from ..read.checkpoint import CheckpointIndex
 from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
-from .files import copy_source_file, safetensors_header, write_safetensors
+from .files import copy_source_file, files_at_once, safetensors_header, write_safetensors, write_safetensors_together
 from .output import headers_digest
 from .staged import StagedOutput, fsync_path, staged_output
 
@@ -40,11 +40,36 @@ def rank_file_layout(items: list) -> tuple[list, bytes, list]:
 def write_rank_file(path: Path, layout: tuple[list, bytes, list], engine: Engine, coord: int) -> FileEntry:
     """Write one rank file of `layout` (`rank_file_layout`) for coordinate `coord`; its manifest entry."""
     specs, header, boxes = layout
-    crc = write_safetensors(path, specs, boxes, None, engine, header=header)
+    return _rank_file_entry(path, layout, coord, write_safetensors(path, specs, boxes, None, engine, header=header))
+
+
+def _rank_file_entry(path: Path, layout: tuple[list, bytes, list], coord: int, crc: int) -> FileEntry:
+    specs, header, boxes = layout
     # The chunks are a run of the plan's order; their offsets and shapes follow from the placements (the manifest
     # stays linear in tensors plus files, however many coordinates).
     return FileEntry(path.name, coord, specs[0].index, len(specs), len(header) + sum(nbytes for nbytes, _, _ in boxes),
                      f"{crc:08x}", sum(0 in s.shape for s in specs))
+
+
+def write_rank_files(files: list[tuple[int, Path, tuple]], engine: Engine) -> list[FileEntry]:
+    """Write the rank files `(coord, path, layout)`, one by one or, from a remote source, together; their entries."""
+    if len(files) == 1:
+        return [write_rank_file(path, layout, engine, coord) for coord, path, layout in files]
+    crcs = write_safetensors_together([(path, layout[1], layout[2]) for _, path, layout in files], engine)
+    return [_rank_file_entry(path, layout, coord, crc) for (coord, path, layout), crc in zip(files, crcs)]
+
+
+def _coordinate_files(plan: ReshardPlan, tmp: Path, coords, max_shard_size: int | None):
+    """`(coord, path, layout)` of each file of the coordinates, in order; equal coordinates share one layout."""
+    last: tuple = (None, None)  # (boxes of every kind, its files' layouts) of the coordinate before
+    for coord in coords:
+        key = coordinate_key(plan, coord)
+        if key != last[0]:  # one coordinate's list at a time
+            parts = split_parts(coordinate_chunks(plan, coord), max_shard_size)
+            last = (key, [rank_file_layout(items) for items in parts])
+        layouts = last[1]
+        for part, layout in enumerate(layouts):
+            yield coord, tmp / shard_file_name(coord, part, len(layouts)), layout
 
 
 def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
@@ -69,19 +94,13 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
     """
     engine = Engine(index, progress, source_crcs, planned_bytes=planned_bytes)
     files, paths = [], []
-    # (boxes of every kind, its files' layouts) of the coordinate before: equal boxes, equal files
-    last: tuple = (None, None)
     try:
-        for coord in coords:
-            key = coordinate_key(plan, coord)
-            if key != last[0]:  # one coordinate's list at a time
-                parts = split_parts(coordinate_chunks(plan, coord), max_shard_size)
-                last = (key, [rank_file_layout(items) for items in parts])
-            layouts = last[1]
-            for part, layout in enumerate(layouts):
-                path = tmp / shard_file_name(coord, part, len(layouts))
-                files.append(write_rank_file(path, layout, engine, coord))
-                paths.append(path)
+        items = list(_coordinate_files(plan, tmp, coords, max_shard_size))
+        at_once = files_at_once(engine, tmp)
+        for first in range(0, len(items), at_once):
+            group = items[first:first + at_once]
+            files += write_rank_files(group, engine)
+            paths += [path for _, path, _ in group]
         engine.finish()
     finally:
         engine.close()
