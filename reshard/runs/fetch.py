@@ -81,9 +81,9 @@ def fill_fetched(engine, outputs: list[tuple[int, bytes, list[Run]]]) -> list[in
 
     The runs of all the outputs are requested together in source order, so a range several outputs need is fetched
     once. While one request's bytes are written, the next `DEPTH` are in flight, each read straight into a buffer of
-    its own (`Store.readinto`); the buffers, `DEPTH + 1` of at most `RANGE` bytes, are the engine's, kept from call to
-    call (their pages fault in once). A failure cancels the requests not started and waits for the others: nothing
-    is left running."""
+    its own (`Store.readinto`), where the fetching thread also computes its runs' CRC-32s; the buffers, `DEPTH + 1`
+    of at most `RANGE` bytes, are the engine's, kept from call to call (their pages fault in once). A failure
+    cancels the requests not started and waits for the others: nothing is left running."""
     store = engine.index.store
     tagged: list[OutputRun] = []
     for out, (fd, header, runs) in enumerate(outputs):
@@ -96,24 +96,26 @@ def fill_fetched(engine, outputs: list[tuple[int, bytes, list[Run]]]) -> list[in
     buffers = [_buffer(engine, slot, max(r.length for r in requests[slot::slots])) for slot in range(slots)]
     pool = ThreadPoolExecutor(max_workers=DEPTH, thread_name_prefix="reshard-fetch")
 
+    def fetched(span: Span, view: memoryview) -> list[int]:  # on a fetch thread: the runs' CRC-32s as well
+        store.readinto(span.file, span.start, view)
+        return [zlib.crc32(view[run.src - span.start:run.src - span.start + run.nbytes]) for run in span.runs]
+
     def fetch(i: int):
         span = requests[i]
-        view = buffers[i % slots][:span.length]
-        return pool.submit(store.readinto, span.file, span.start, view)
+        return pool.submit(fetched, span, buffers[i % slots][:span.length])
 
     try:
         pending = [fetch(i) for i in range(min(DEPTH, len(requests)))]
         for i, span in enumerate(requests):
-            pending[i].result()
+            run_crcs = pending[i].result()
             pending[i] = None
             if i + DEPTH < len(requests):  # into the buffer of request i - 1, written already
                 pending.append(fetch(i + DEPTH))
             data = buffers[i % slots]
-            for run in span.runs:
+            for run, crc in zip(span.runs, run_crcs):
                 piece = data[run.src - span.start:run.src - span.start + run.nbytes]
                 _pwrite_all(outputs[run.out][0], piece, run.dst)
                 writebacks[run.out].wrote(run.nbytes)
-                crc = zlib.crc32(piece)
                 crcs[run.out][run.dst] = (crc, run.nbytes)
                 remember(engine.source_crcs.segments(run.file), run, piece, crc)
                 if engine.progress is not None:
