@@ -39,7 +39,8 @@ whole process; the throughput ratio (raw seconds / reshard seconds, median of pa
    goes when client and server share the machine.
 
 Prints a table, and writes it as JSON with `--json PATH`. `--load-size-gb` loads a checkpoint of another size (if 4
-ranks of `--size-gb` do not fit in memory). `--profile` adds one in-process write from S3 under cProfile. Everything
+ranks of `--size-gb` do not fit in memory). `--profile` adds one in-process write from S3 under cProfile, and (unless the load is skipped) one 4-rank load
+from S3 with rank 0's `from_pretrained` under cProfile. Everything
 generated is deleted at the end unless `--keep`.
 """
 
@@ -231,12 +232,21 @@ class Bench:
         return {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
                 "endpoint_url": env["AWS_ENDPOINT_URL_S3"], "skip_instance_cache": True}
 
-    def load(self, folder: str, where: str, prefix: str, architecture: str) -> dict:
+    def load(self, folder: str, where: str, prefix: str, architecture: str, *, profile: bool = False) -> dict:
+        """One timed 4-rank load; with `profile`, rank 0's `from_pretrained` under cProfile, its profile printed."""
         reports = Path(tempfile.mkdtemp(prefix="ranks-", dir=self.work))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
                str(RANK_SCRIPT), folder, architecture, str(reports)]
-        row = self.measure(cmd, logged=where == "s3", direct=where == "direct")
+        if profile:
+            os.environ["RESHARD_BENCH_PROFILE"] = "1"
+        try:
+            row = self.measure(cmd, logged=where == "s3", direct=where == "direct")
+        finally:
+            os.environ.pop("RESHARD_BENCH_PROFILE", None)
         ranks = [json.loads((reports / f"rank{r}.json").read_text()) for r in range(RANKS)]
+        if profile:
+            print(f"\nprofile: rank 0 of a {RANKS}-rank load from {folder}, {ranks[0]['load_s']:.2f} s, "
+                  f"{ranks[0]['load_cpu_s']:.2f} CPU s\n{(reports / 'profile.txt').read_text()}", flush=True)
         wb.remove(reports)
         last = max(ranks, key=lambda r: r["times"]["load_end"])["times"]  # the rank that finished loading last
         row.update(load_max=max(r["load_s"] for r in ranks), load_cpu=[r["load_cpu_s"] for r in ranks],
@@ -492,7 +502,7 @@ def main() -> None:
     parser.add_argument("--direct", action="store_true",
                         help="also time each S3 command against weed's own port, without the proxy (not logged)")
     parser.add_argument("--skip", default="", help="comma-separated: write, load, upload")
-    parser.add_argument("--profile", action="store_true", help="also profile one in-process write from S3")
+    parser.add_argument("--profile", action="store_true", help="also profile one in-process write from S3 and rank 0 of a load")
     parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: a temp folder)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints (the server is stopped)")
@@ -546,6 +556,8 @@ def main() -> None:
         report(rows, results, args)
         if args.profile:
             profile_write(bench, f"s3://{bench.bucket}/src")
+            if "load" not in skip:
+                bench.load(f"s3://{bench.bucket}/folder", "s3", "folder", architecture, profile=True)
     finally:
         server.stop()
         if args.keep:

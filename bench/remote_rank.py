@@ -33,6 +33,40 @@ def _process_start() -> float:
     return now - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def _profiled(function, folder: str, path: str):
+    """`function(folder)` under cProfile timed by each thread's own CPU clock (every thread started meanwhile has a
+    profiler of its own, added up at the end, as bench/remote.py's write profile); the top entries go to `path`."""
+    import cProfile
+    import io
+    import pstats
+    import threading
+
+    profiles, run = [cProfile.Profile(time.thread_time)], threading.Thread.run
+
+    def profiled(thread):
+        profiler = cProfile.Profile(time.thread_time)
+        profiles.append(profiler)
+        profiler.runcall(run, thread)
+
+    threading.Thread.run = profiled
+    try:
+        result = profiles[0].runcall(function, folder)
+    finally:
+        threading.Thread.run = run
+    out = io.StringIO()
+    stats = pstats.Stats(profiles[0], stream=out)
+    for profiler in profiles[1:]:
+        try:
+            stats.add(profiler)
+        except TypeError:  # a thread still running (the client's event loop): its profile is not closed yet
+            pass
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(20)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+    return result
+
+
 def main() -> None:
     folder, architecture, report_dir = sys.argv[1:4]
     rank = int(os.environ["RANK"])
@@ -53,7 +87,10 @@ def main() -> None:
     dist.barrier()
     times["load_start"] = time.time()
     cpu = time.process_time()
-    model = reshard.from_pretrained(folder)  # CRC-32 of every file checked as its bytes pass (the default)
+    if rank == 0 and os.environ.get("RESHARD_BENCH_PROFILE"):  # bench/remote.py --profile: rank 0 profiled
+        model = _profiled(reshard.from_pretrained, folder, os.path.join(report_dir, "profile.txt"))
+    else:
+        model = reshard.from_pretrained(folder)  # CRC-32 of every file checked as its bytes pass (the default)
     times["load_end"] = time.time()
     cpu = time.process_time() - cpu
     local = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
