@@ -21,7 +21,7 @@ _EXPORTS = {
     "list_files": "api",
     "merge_checkpoint": "api",
     "Manifest": "manifest",
-    "read_manifest": "manifest",
+    "read_manifest": "api",
     "from_pretrained": "load.loader",
     "patch_transformers": "load.patch",
     "unpatch_transformers": "load.patch",

@@ -193,6 +193,20 @@ def verify(out, *, against=None, revision: str | None = None, checksums: bool = 
     return result
 
 
+def read_manifest(folder):
+    """The validated manifest (`reshard.manifest.Manifest`) of the reshard folder `folder`: a local path or a URL,
+    opened as every command opens one (`reshard.read.source.open_folder`), or a store already open.
+
+    Raises:
+        ManifestError: its `reshard.json` is missing, not a regular file, unreadable or unsound.
+    """
+    from .manifest import read_manifest as read_of_store
+    from .read.source import open_folder
+    from .read.store import Store
+
+    return read_of_store(folder) if isinstance(folder, Store) else open_folder(folder).manifest
+
+
 def list_files(out, ranks) -> FilesResult:
     """What `ranks` (a `reshard.plan.ranks.RankSpans`, or ranks) need to load the reshard folder `out`, relative to it:
     what `reshard files` runs.

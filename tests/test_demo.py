@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from reshard.cli import cli
 from reshard.demo import run_demo
-from reshard.manifest import read_manifest
+from reshard import read_manifest
 from reshard.read.safetensors_header import read_header
 
 

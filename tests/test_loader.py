@@ -10,7 +10,7 @@ import torch
 
 import reshard
 from reshard.api import write_checkpoint
-from reshard.manifest import read_manifest
+from reshard import read_manifest
 from reshard.plan.mesh import MeshSpec
 
 from conftest import run_ranks
@@ -124,7 +124,7 @@ def test_balanced_layout_gives_every_rank_the_same_expert_bytes(tiny, tmp_path):
 def test_each_rank_checks_its_own_files(tiny, tmp_path):
     """What a rank reports before loading (the multi-rank test below shows every rank stopping on it)."""
     from reshard.load.agreement import _check_own_files
-    from reshard.manifest import read_manifest
+    from reshard import read_manifest
     from reshard.read.store import LocalStore
 
     out = tmp_path / "out"

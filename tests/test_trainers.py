@@ -202,7 +202,7 @@ def test_meta_destinations_are_refused(source):
 
     from reshard.errors import LoadError
     from reshard.load.storage import load_model_state
-    from reshard.manifest import read_manifest
+    from reshard import read_manifest
     from reshard.read.store import LocalStore
 
     root, src, _ = source

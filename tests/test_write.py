@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from reshard.api import verify, write_checkpoint
 from reshard.cli import cli
-from reshard.manifest import read_manifest
+from reshard import read_manifest
 from reshard.plan.mesh import MeshSpec
 from reshard.plan.placement import chunk
 from reshard.words import plural

@@ -4,7 +4,7 @@
 - `document`: the manifest a write records (`build_manifest`), and `source_layout` its on-disk layout record;
 - `validate`: every key, type and range checked before anything uses them (`validate_manifest`);
 - `entries` and `parsed`: the typed view (`Manifest`, `read_manifest`) and the check of a header against it;
-- `members`: the folder's files, opened only as regular files under plain names;
+- `members`: plain file names, and the copied non-weight files checked through the folder's store;
 - `coverage`: whether the chunks put every element somewhere exactly once.
 
 The names below are the package's public ones: `from reshard.manifest import X` whichever module X lives in
@@ -17,7 +17,7 @@ from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, Te
 from .format import (DCP_SHARDING_INFO_KEY, DCP_VERSION, DCP_VERSION_KEY, EXTRA_FILE, MANIFEST_FORMAT, MANIFEST_NAME,
                      MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, SHARD_FILE_NAME, dcp_metadata, extra_file_name,
                      shard_file_name)
-from .members import check_member, copied_problems, file_crc32, member_problem, open_member, plain_name_problem
+from .members import copied_problems, plain_name_problem
 from .parsed import MAX_MANIFEST_BYTES, Manifest, claimed_names, header_problems, read_manifest, write_label
 from .source_layout import SOURCE_LAYOUT_VERSION, OnDisk, source_layout_record, tied_from_record
 from .validate import validate_manifest
@@ -27,8 +27,8 @@ __all__ = [
     "FileEntry", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "Manifest", "OnDisk",
     "SAVED_OFFSETS_KEY", "SHARD_FILE", "SHARD_FILE_NAME", "SOURCE_LAYOUT_VERSION", "SourceRecord", "TensorInfo",
     "build_manifest", "different_writes", "joined_copies",
-    "check_member", "chunk_of", "claimed_names", "copied_problems", "coverage_problem", "coverage_problems",
-    "dcp_metadata", "extra_file_name", "file_crc32", "header_problems", "member_problem", "open_member",
+    "chunk_of", "claimed_names", "copied_problems", "coverage_problem", "coverage_problems",
+    "dcp_metadata", "extra_file_name", "header_problems",
     "placement_of", "plain_name_problem", "read_manifest", "region_text", "shard_file_name", "source_layout_record",
     "tied_from_record", "validate_manifest", "write_label",
 ]

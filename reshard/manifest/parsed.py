@@ -20,7 +20,6 @@ from .entries import (Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, T
                       set_state)
 from .format import (DCP_SHARDING_INFO_KEY, MANIFEST_FORMAT, MANIFEST_NAME, REMEDY, SAVED_OFFSETS_KEY, dump_manifest,
                      show)
-from .members import open_member
 from .source_layout import recorded_source_layout
 from .validate import validate_manifest
 
@@ -194,25 +193,18 @@ class Manifest:
         return recorded_source_layout(self._document, self.source.source)
 
 
-def read_manifest(folder) -> Manifest:
-    """Read `reshard.json` of `folder` (a local folder, or a `reshard.read.store.Store`) and validate it.
+def read_manifest(store) -> Manifest:
+    """Read `reshard.json` of the folder `store` (a `reshard.read.store.Store`: the one opening of a folder is the
+    read layer's) and validate it.
 
     Raises:
         ManifestError: the manifest is missing, not a regular file, not JSON, of an unknown format/version, or not
             a sound manifest (naming the key and the value).
     """
-    where = getattr(folder, "location", None) or str(folder)
+    where = store.location
     path = f"{where.rstrip('/')}/{MANIFEST_NAME}"
     try:
-        if hasattr(folder, "read_all"):
-            raw = folder.read_all(MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest")
-        else:
-            with open_member(folder, MANIFEST_NAME) as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)
-            if len(raw) > MAX_MANIFEST_BYTES:
-                raise ManifestError([f"{path}: over {MAX_MANIFEST_BYTES} bytes, not a manifest reshard writes. "
-                                     f"{REMEDY}"])
-        document = json.loads(raw)
+        document = json.loads(store.read_all(MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest"))
     except FileNotFoundError as e:
         raise ManifestError([f"{path}: no manifest; this folder was not written by `reshard write` (or the write "
                              "did not finish). Write it again."]) from e
@@ -223,16 +215,15 @@ def read_manifest(folder) -> Manifest:
     return Manifest.from_document(document, where)
 
 
-def claimed_names(folder, *, with_copied: bool = True) -> tuple[set[str] | None, str | None]:
-    """The file names the manifest of a reshard output in local `folder` claims as its own (the manifest, rank and
-    extras files, and the `copied` ones), read leniently, since an output of an older reshard may be replaced too:
+def claimed_names(store, entries: list[str], *, with_copied: bool = True) -> tuple[set[str] | None, str | None]:
+    """The file names the manifest of a reshard output, the folder `store` holding `entries`, claims as its own (the
+    manifest, rank and extras files, and the `copied` ones), read leniently, since an output of an older reshard may be replaced too:
     (names, None), (None, None) when it records no `copied` (and `with_copied`), or (None, why) when there is no
     reshard manifest to read."""
     try:
-        with open_member(folder, MANIFEST_NAME) as f:
-            document = json.loads(f.read(MAX_MANIFEST_BYTES))
+        document = json.loads(store.read_all(MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest"))
     except FileNotFoundError:
-        return None, (f"it holds {_some(sorted(os.listdir(folder)))} and no {MANIFEST_NAME}, so it is not a reshard "
+        return None, (f"it holds {_some(entries)} and no {MANIFEST_NAME}, so it is not a reshard "
                       "output")
     except (OSError, ValueError, ReshardError) as e:
         return None, f"its {MANIFEST_NAME} cannot be read ({e})"

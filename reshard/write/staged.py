@@ -26,6 +26,7 @@ from ..errors import OutputError, ReshardError, UsageError
 from ..manifest import claimed_names
 from ..plan.report import human_bytes
 from ..read.checkpoint import is_metadata_file
+from ..read.store import LocalStore
 from ..signals import signals_held
 from .durable import exchange, fsync_files, fsync_path
 from .lock import write_lock
@@ -59,11 +60,15 @@ def not_a_reshard_output(out: Path) -> str | None:
     entries = sorted(os.listdir(out))
     if not entries:
         return None
-    ours, why = claimed_names(out)
-    if why is not None:
-        return why
-    if ours is None:  # a manifest from before `copied` was recorded: top-level files reshard copies today count
-        ours = {e for e in entries if is_metadata_file(e)} | claimed_names(out, with_copied=False)[0]
+    store = LocalStore(out, links_anywhere=True)
+    try:
+        ours, why = claimed_names(store, entries)
+        if why is not None:
+            return why
+        if ours is None:  # a manifest from before `copied` was recorded: top-level files reshard copies today count
+            ours = {e for e in entries if is_metadata_file(e)} | claimed_names(store, entries, with_copied=False)[0]
+    finally:
+        store.close()
     foreign = not_ours(out, entries, ours)
     if foreign:
         return f"it is a reshard output but also holds {some(foreign)}, which reshard did not write"

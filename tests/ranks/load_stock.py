@@ -55,7 +55,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(out, distributed_config=DistributedConfig(**kwargs), use_kernels=False)
     HuggingFaceStorageReader.read_data = stock_read_data
 
-    from reshard.manifest import read_manifest
+    from reshard import read_manifest
     from reshard.plan.placement import local_box
 
     manifest = read_manifest(out)
