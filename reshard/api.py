@@ -186,8 +186,8 @@ def verify(out, *, against=None, revision: str | None = None, checksums: bool = 
     from .read.source import open_folder
 
     # opened once; an unsound manifest raises its own ManifestError before any file is read
-    result = verify_folder(open_folder(out, need_manifest=False), against=against, revision=revision, checksums=checksums, progress=progress,
-                           ranks=ranks)
+    result = verify_folder(open_folder(out, need_manifest=False), against=against, revision=revision,
+                           checksums=checksums, progress=progress, ranks=ranks)
     if not result.ok:
         raise VerifyError(list(result.problems))
     return result

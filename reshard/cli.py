@@ -68,13 +68,13 @@ class ReshardGroup(click.Group):
 
 def _left_behind(interrupt: KeyboardInterrupt) -> str:
     """What an interrupted command left on disk: a write or merge may leave part of its temporary folder, when its
-    removal ran out of time (`reshard.write.staged.remove_within`), and says so on the interrupt; any other command
+    removal ran out of time (`reshard.write.staged._remove_within`), and says so on the interrupt; any other command
     writes nothing."""
     staged = sys.modules.get("reshard.write.staged")  # not imported: no write ran, so nothing was left
     return staged.left_behind_text(interrupt) if staged is not None else "nothing partial was left behind."
 
 
-def mesh_options(func):
+def _mesh_options(func):
     """The mesh flags shared by every command, mirroring transformers' DistributedConfig (tensor and pipeline
     parallelism stay hidden until reshard writes layouts for them)."""
 
@@ -108,17 +108,17 @@ def _show(result, as_json: bool) -> None:
     click.echo(result.to_json() if as_json else result.summary())
 
 
-layout_option = click.option(
+_layout_option = click.option(
     "--layout", "mode", type=click.Choice([m.value for m in LayoutMode]), default=LayoutMode.BALANCED.value,
     show_default=True,
     help="balanced: split uneven expert tensors on a dim that divides evenly; stock: as transformers does.")
-revision_option = click.option("--revision", metavar="REV", default=None,
+_revision_option = click.option("--revision", metavar="REV", default=None,
                                help="Hub branch, tag or commit (Hub sources only).")
-stream_option = click.option("--stream", is_flag=True,
+_stream_option = click.option("--stream", is_flag=True,
                              help="Read a Hub SRC in byte ranges instead of downloading it first (cached files are "
                                   "read from the cache).")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as a JSON document instead.")
-quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as a JSON document instead.")
+_quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 
 
 @click.group(help=CLI_HELP, cls=ReshardGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -131,10 +131,10 @@ def cli(debug):
 
 @cli.command(help=PLAN_HELP, short_help="Plan SRC on the mesh: stock vs reshard, from headers only.")
 @click.argument("src")
-@mesh_options
-@layout_option
-@revision_option
-@stream_option
+@_mesh_options
+@_layout_option
+@_revision_option
+@_stream_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as a JSON document (reshard_plan_version 1).")
 def plan(src, mesh, mode, revision, stream, as_json):
     from .api import plan_checkpoint
@@ -150,10 +150,10 @@ def main() -> None:
 @cli.command(help=WRITE_HELP, short_help="Write SRC into OUT as per-rank files for the mesh.")
 @click.argument("src")
 @click.argument("out")
-@mesh_options
-@layout_option
-@revision_option
-@stream_option
+@_mesh_options
+@_layout_option
+@_revision_option
+@_stream_option
 @click.option("--max-shard-size", type=SizeType(), default=None,
               help="Split each rank's data into files of at most this size (e.g. 5GB). Default: one file per rank.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (swapped in only once complete).")
@@ -174,8 +174,8 @@ def main() -> None:
 @click.option("--drop-unloaded", is_flag=True,
               help="Leave out the tensors the model does not load (MTP layers). Default: kept in files no rank "
                    "loads, for merge.")
-@quiet_option
-@json_option
+@_quiet_option
+@_json_option
 def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, workers, distributed, node_local, ranks,
           dequantize, drop_unloaded, quiet, as_json):
     from .api import write_checkpoint
@@ -193,13 +193,13 @@ def write(src, out, mesh, mode, revision, stream, max_shard_size, overwrite, wor
 @click.argument("out")
 @click.option("--against", "against", metavar="SRC", default=None,
               help="The source checkpoint: compare every byte with it.")
-@revision_option
+@_revision_option
 @click.option("--no-checksums", is_flag=True, help="Skip recomputing each file's CRC-32 (faster, less thorough).")
 @click.option("--ranks", type=RanksType(), default=None,
               help="Check only the files these ranks load (a node's copy staged by hand): 0-7, or 0,8,16-23.")
-@quiet_option
+@_quiet_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as a JSON document (also when it fails).")
-def verify_command(out, against, revision, no_checksums, ranks, quiet, as_json):
+def _verify_command(out, against, revision, no_checksums, ranks, quiet, as_json):
     from .api import verify_folder
 
     result = verify_folder(out, against=against, revision=revision, checksums=not no_checksums,
@@ -218,8 +218,8 @@ def verify_command(out, against, revision, no_checksums, ranks, quiet, as_json):
 @click.argument("out")
 @click.option("--ranks", type=RanksType(), required=True,
               help="Global ranks, counted from 0: 0-7 (one node of 8 GPUs) or 0,8,16-23.")
-@json_option
-def files_command(out, ranks, as_json):
+@_json_option
+def _files_command(out, ranks, as_json):
     from .api import list_files
 
     result = list_files(out, ranks)
@@ -252,9 +252,9 @@ def files_command(out, ranks, as_json):
 @click.option("--node-local", is_flag=True,
               help="In a multi-node torchrun: SRC's rank files lie on each node's own disk; node 0's ranks read "
                    "them over the process group and write DEST.")
-@quiet_option
-@json_option
-def merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, workers, distributed, node_local, quiet,
+@_quiet_option
+@_json_option
+def _merge_command(src, dest, max_shard_size, layout, overwrite, extras_from, workers, distributed, node_local, quiet,
                   as_json):
     from .api import merge_checkpoint
 
@@ -279,7 +279,7 @@ def demo(ranks, keep):
 @cli.command(name="env", help=ENV_HELP,
              short_help="Versions, loader-patch hooks, launcher variables: for a bug report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as a JSON document (reshard_env_version 1).")
-def env_command(as_json):
+def _env_command(as_json):
     from .api import environment, environment_lines
 
     if as_json:

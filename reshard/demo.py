@@ -58,13 +58,13 @@ def _steps(root: Path, ranks: int, echo, timeout: float):
 
     src, out, reports = root / "tiny-qwen3-moe", root / f"tiny-qwen3-moe-fsdp{ranks}", root / "reports"
     experts, mesh = max(1, ranks // 2), MeshSpec(fsdp=ranks)
-    echo(f"1/5 generating a tiny Qwen3-MoE checkpoint ({experts} experts, 2 layers) in {shown(src)}")
+    echo(f"1/5 generating a tiny Qwen3-MoE checkpoint ({experts} experts, 2 layers) in {_shown(src)}")
     if not src.exists():
         make_tiny_checkpoint("qwen3_moe", src, experts=experts)
-    echo(f"\n2/5 reshard plan {shown(src)} --fsdp {ranks}\n")
-    planned = plan_checkpoint(where(src), mesh)
+    echo(f"\n2/5 reshard plan {_shown(src)} --fsdp {ranks}\n")
+    planned = plan_checkpoint(_where(src), mesh)
     echo(planned.summary().rsplit("\n\nnext:", 1)[0])
-    echo(f"\n3/5 reshard write {shown(src)} {shown(out)} --fsdp {ranks} --overwrite")
+    echo(f"\n3/5 reshard write {_shown(src)} {_shown(out)} --fsdp {ranks} --overwrite")
     written = write_checkpoint(src, out, mesh, overwrite=True, progress=False)
     markers = plural(written.manifest.empty_markers, "explicit empty marker")
     echo(f"    {plural(len(written.manifest.files), 'file')}, {markers} (one per empty tensor in each rank's file)")
@@ -73,14 +73,14 @@ def _steps(root: Path, ranks: int, echo, timeout: float):
     reports.mkdir()
     _launch(ranks, out, src, reports, timeout, echo)
     per_rank = tuple(json.loads((reports / f"rank{r}.json").read_text()) for r in range(ranks))
-    echo(f"\n5/5 reshard verify {shown(out)} --against {shown(src)}")
+    echo(f"\n5/5 reshard verify {_shown(out)} --against {_shown(src)}")
     checked = verify(out, against=src)
     echo(f"    OK: {checked.tensors} model tensors covered exactly once, {checked.bytes_compared} bytes of tensor "
          "data equal to the source")
     return planned.plan, written.manifest, per_rank
 
 
-def where(path: Path) -> str:
+def _where(path: Path) -> str:
     """`path` as a command pasted where the user stands takes it: `./`-relative inside the working folder (a kept
     `./demo`), else absolute (the temporary folder)."""
     absolute = Path(path).resolve()
@@ -90,25 +90,25 @@ def where(path: Path) -> str:
         return str(absolute)
 
 
-def shown(path: Path) -> str:
-    """`where(path)`, quoted for a shell."""
-    return shlex.quote(where(path))
+def _shown(path: Path) -> str:
+    """`_where(path)`, quoted for a shell."""
+    return shlex.quote(_where(path))
 
 
 def _next_lines(root: Path, ranks: int, keep) -> list[str]:
     """The demo's last lines: where its folders are, and the README's next commands, runnable from here."""
     out = root / f"tiny-qwen3-moe-fsdp{ranks}"
     if not keep:
-        return [f"  the generated checkpoint and its output were in {shown(root)} and are removed now; to keep them "
+        return [f"  the generated checkpoint and its output were in {_shown(root)} and are removed now; to keep them "
                 "and try the next commands on them: reshard demo --keep ./demo"]
     merged = root / "merged"
-    return [f"  the checkpoint, the output and the rank reports are in {shown(root)}", "next:",
-            f"  reshard merge {shown(out)} {shown(merged)} --overwrite && reshard verify {shown(merged)}"]
+    return [f"  the checkpoint, the output and the rank reports are in {_shown(root)}", "next:",
+            f"  reshard merge {_shown(out)} {_shown(merged)} --overwrite && reshard verify {_shown(merged)}"]
 
 
 def _launch(ranks: int, out: Path, src: Path, reports: Path, timeout: float, echo) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "--monitor-interval=0.5", "-m", "reshard._demo_rank", where(out), str(src), str(reports)]
+           "--monitor-interval=0.5", "-m", "reshard._demo_rank", _where(out), str(src), str(reports)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) as proc:
         kept: list[str] = []

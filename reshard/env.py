@@ -14,13 +14,13 @@ import sys
 from .words import plural
 
 # The torch releases the suite has run against on the CPU (docs/compatibility.md): CPU and CUDA builds alike.
-TESTED_TORCH = ((2, 13), (2, 14), (2, 15))
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-DISTRIBUTIONS = ("reshard", "torch", "transformers", "safetensors", "huggingface-hub", "accelerate", "click",
+_TESTED_TORCH = ((2, 13), (2, 14), (2, 15))
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_DISTRIBUTIONS = ("reshard", "torch", "transformers", "safetensors", "huggingface-hub", "accelerate", "click",
                  "tqdm", "numpy")
 
 
-def distribution_version(name: str) -> str | None:
+def _distribution_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -53,8 +53,8 @@ def _quick_facts() -> dict:
     """What needs no import of torch or transformers: versions, the tested matrix, the launcher variables."""
     from .load.hooks import TESTED_RANGE, in_tested_range, minor_of
 
-    versions = {name: distribution_version(name) for name in DISTRIBUTIONS}
-    torch_tested = minor_of(versions["torch"]) in TESTED_TORCH
+    versions = {name: _distribution_version(name) for name in _DISTRIBUTIONS}
+    torch_tested = minor_of(versions["torch"]) in _TESTED_TORCH
     transformers_tested = versions["transformers"] is not None and in_tested_range(versions["transformers"])
     return {
         "reshard_env_version": 1,
@@ -62,8 +62,8 @@ def _quick_facts() -> dict:
         "platform": platform.platform(),
         "versions": versions,
         "tested": {"torch": torch_tested, "transformers": transformers_tested,
-                   "torch_range": ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH), "transformers_range": TESTED_RANGE},
-        "launcher": {name: os.environ.get(name) for name in LAUNCHER_VARIABLES},
+                   "torch_range": ", ".join(f"{a}.{b}" for a, b in _TESTED_TORCH), "transformers_range": TESTED_RANGE},
+        "launcher": {name: os.environ.get(name) for name in _LAUNCHER_VARIABLES},
     }
 
 
@@ -93,7 +93,7 @@ def format_report(report: dict) -> str:
 def _quick_lines(report: dict) -> list[str]:
     v, tested = report["versions"], report["tested"]
     lines = [f"- reshard: {v['reshard']}", f"- Python: {report['python']} ({report['platform']})"]
-    lines += [f"- {name}: {v[name] or 'not installed'}" for name in DISTRIBUTIONS[1:]]
+    lines += [f"- {name}: {v[name] or 'not installed'}" for name in _DISTRIBUTIONS[1:]]
     inside = "inside" if tested["torch"] and tested["transformers"] else "OUTSIDE"
     lines.append(f"- tested matrix: {inside} (torch {tested['torch_range']}: {'yes' if tested['torch'] else 'no'}; "
                  f"{tested['transformers_range']}: {'yes' if tested['transformers'] else 'no'})")

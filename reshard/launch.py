@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from .errors import LoadError, OutputError
 
-COLLECTIVE_TIMEOUT_S = 600  # gloo's limit for one collective; ranks enter them only once all are there
+_COLLECTIVE_TIMEOUT_S = 600  # gloo's limit for one collective; ranks enter them only once all are there
 
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -101,7 +101,7 @@ def gloo_group(command: str):
     from datetime import timedelta
 
     try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
     except (RuntimeError, ValueError, OSError) as e:
         raise OutputError(f"RANK/WORLD_SIZE say this is rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}, but "
                           f"the process group could not be created ({e}). Check MASTER_ADDR/MASTER_PORT.") from e
@@ -169,7 +169,7 @@ def _rank_list(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def failing_ranks(problems: list) -> dict[str, list[int]]:
+def _failing_ranks(problems: list) -> dict[str, list[int]]:
     """Each distinct problem in `problems` (one entry per rank, falsy where fine) with the ranks that have it."""
     failed: dict[str, list[int]] = {}
     for r, p in enumerate(problems):
@@ -178,8 +178,8 @@ def failing_ranks(problems: list) -> dict[str, list[int]]:
     return failed
 
 
-def describe_failures(failed: dict[str, list[int]], ranks: int, what: str) -> str:
-    """`N of M ranks <what> (ranks 0-2: cause; rank 5: other cause)`, from `failing_ranks`."""
+def _describe_failures(failed: dict[str, list[int]], ranks: int, what: str) -> str:
+    """`N of M ranks <what> (ranks 0-2: cause; rank 5: other cause)`, from `_failing_ranks`."""
     count = sum(len(r) for r in failed.values())
     detail = "; ".join(f"{_rank_list(r)}: {p}" for p, r in failed.items())
     return f"{count} of {ranks} ranks {what} ({detail})"
@@ -192,15 +192,15 @@ def agreed_failure(views: list, what: str, error_type: type[E], *,
     Every rank calls it on the same gathered `views`, so every rank gets the same message: `N of M ranks <what>
     (ranks 0-2: cause; ...). <remedy>`, as an `error_type` (the caller's own, e.g. an `OutputError` for a write).
     """
-    failed = failing_ranks(views)
+    failed = _failing_ranks(views)
     if not failed:
         return None
-    return error_type(f"{describe_failures(failed, len(views), what)}. {remedy}")
+    return error_type(f"{_describe_failures(failed, len(views), what)}. {remedy}")
 
 
 def raise_if_any(problems: list) -> None:
     """Raise LoadError, naming every failing rank, when any rank's entry is a problem (identical ones grouped)."""
-    failed = failing_ranks(problems)
+    failed = _failing_ranks(problems)
     if len(failed) == 1 and len(next(iter(failed.values()))) == len(problems):
         raise LoadError(next(iter(failed)))  # the same on every rank (a world size or mesh mismatch): say it once
     failure = agreed_failure(problems, "cannot load", LoadError,

@@ -14,7 +14,7 @@ from .errors import UsageError
 from .plan.ranks import RankSpans
 
 
-def parse_size(text: str) -> int:
+def _parse_size(text: str) -> int:
     """Bytes from `5GB`, `500MiB` or `1000000` (`--max-shard-size`), 1 or more."""
     units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
              "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
@@ -28,7 +28,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-class ParsedType(click.ParamType):
+class _ParsedType(click.ParamType):
     """A flag whose text `parse` turns into a value, raising `click.BadParameter` (or the library's `UsageError`) with
     the message; a value that is already `parsed` (a default) passes as it is."""
 
@@ -46,8 +46,8 @@ class ParsedType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-class SizeType(ParsedType):
-    name, parse, parsed = "size", staticmethod(parse_size), int
+class SizeType(_ParsedType):
+    name, parse, parsed = "size", staticmethod(_parse_size), int
 
 
 class Count(click.IntRange):
@@ -61,5 +61,5 @@ class Count(click.IntRange):
         return super().convert(value, param, ctx)
 
 
-class RanksType(ParsedType):
+class RanksType(_ParsedType):
     name, parse, parsed = "ranks", staticmethod(RankSpans.parse), RankSpans

@@ -18,11 +18,11 @@ from .plan.placement import ReshardPlan
 from .read.source import Kind
 from .words import mib, plural
 
-UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
+_UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
                    "CRC-32: its bytes were copied as they are, not checked.")
 
 
-def verify_line(out, against=None, revision=None) -> str:
+def _verify_line(out, against=None, revision=None) -> str:
     """The `reshard verify` command that checks what a command just wrote, ready to paste."""
     words = ["reshard", "verify", str(out)] + (["--against", str(against)] if against else [])
     words += ["--revision", revision] if revision and against else []
@@ -121,10 +121,10 @@ class WriteResult:
                          f"({mib(self.fetched)})")
         lines += self._job_lines()
         if self.source_kind is Kind.SAVED:
-            lines.append(UNCHECKED_SAVED)
+            lines.append(_UNCHECKED_SAVED)
         # A folder in the distributed-checkpoint layout is no `--against` source: verify checks the output on its own.
         against = self.source if self.source_kind is Kind.CHECKPOINT else None
-        lines.append("next:\n  " + verify_line(self.out, against, self.revision)
+        lines.append("next:\n  " + _verify_line(self.out, against, self.revision)
                      + f"\n  load: reshard.from_pretrained({self.out!r}) on every rank of the job "
                        f"({m.mesh.distributed_config_repr()})")
         return "\n".join(lines)
@@ -149,7 +149,8 @@ class WriteResult:
         lines = [f"the job: {plural(len(c), 'node')}, {plural(sum(x.files for x in c), 'file')} "
                  f"({mib(sum(x.bytes for x in c))} with headers), "
                  f"{plural(sum(x.empty_markers for x in c), 'explicit empty marker')}"
-                 + ("" if any(x.fetched is None for x in c) else f", {sum(x.fetched for x in c):,} bytes fetched from SRC")
+                 + ("" if any(x.fetched is None for x in c)
+                    else f", {sum(x.fetched for x in c):,} bytes fetched from SRC")
                  + " in all:"]
         return lines + [f"  {x.node}: {plural(x.files, 'file')} ({mib(x.bytes)}), "
                         f"{plural(x.empty_markers, 'explicit empty marker')}"
@@ -289,15 +290,16 @@ class MergeResult:
 
     def summary(self) -> str:
         what = (plural(self.tensors, "checkpoint key") + f" (the source's on-disk layout, {self.model_tensors} model "
-                "tensors)" if self.layout is MergeLayout.ORIGINAL else plural(self.tensors, "model tensor") + " (fused layout)")
+                "tensors)" if self.layout is MergeLayout.ORIGINAL
+                else plural(self.tensors, "model tensor") + " (fused layout)")
         lines = [f"merged {self.source} into {self.dest}: {plural(self.files, 'file')} ({mib(self.bytes)} with "
                  f"headers), {what}"
                  + (f"; {self.extras} of them the model does not load (MTP layers, ...)." if self.extras else ".")]
         if self.left_out:
             lines.append(f"left out: {self.left_out}.")
         if not self.source_crc32_checked:
-            lines.append(UNCHECKED_SAVED)
-        lines.append(f"next:\n  {verify_line(self.dest, self.against)}\n  load: AutoModelForCausalLM.from_pretrained("
+            lines.append(_UNCHECKED_SAVED)
+        lines.append(f"next:\n  {_verify_line(self.dest, self.against)}\n  load: AutoModelForCausalLM.from_pretrained("
                      f"{self.dest!r}), or publish it: hf upload ORG/NAME {shlex.quote(self.dest)}")
         return "\n".join(lines)
 

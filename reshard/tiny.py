@@ -83,7 +83,7 @@ def add_tensors(folder: str | Path, tensors: dict) -> Path:
     return Path(folder)
 
 
-E4M3_MAX = 448.0
+_E4M3_MAX = 448.0
 
 
 def quantize_checkpoint(src: str | Path, dest: str | Path, *, method: str, block: tuple[int, int] = (128, 128),
@@ -166,7 +166,7 @@ def _quantize_fp8(tensor, block: tuple[int, int]):
     padded[..., :rows, :cols] = tensor.float()
     blocks = padded.reshape(*lead, grid[0], bm, grid[1], bn)
     amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
     codes = (blocks / scale[..., :, None, :, None]).reshape(padded.shape)[..., :rows, :cols]
     return codes.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 

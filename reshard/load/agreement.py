@@ -24,14 +24,14 @@ from ..read.source import open_folder
 _MESH_FIELDS = ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size")
 
 
-def has_shard_files(folder: Path) -> bool:
+def _has_shard_files(folder: Path) -> bool:
     """Whether `folder` looks like a distributed checkpoint (shard files by transformers' naming)."""
     return folder.is_dir() and any(folder.glob("shard-*-model-*-of-*.safetensors"))
 
 
 def may_hold_reshard_files(folder: Path) -> bool:
     """A local folder that is, or may be on other ranks, a reshard folder: all ranks must then agree on it."""
-    return (folder / MANIFEST_NAME).is_file() or has_shard_files(folder)
+    return (folder / MANIFEST_NAME).is_file() or _has_shard_files(folder)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ reads a byte.
 
 Every chunk follows from a tensor's placement and a coordinate (`plan.local_box`), so no rank opens a file's header to
 plan. Chunk lists are built once per distinct (shape, placement) and shared by the tensors that have it, and DCP's
-`storage_data` is computed on lookup (`ChunkFiles`), so the metadata grows with tensors plus coordinates, not with
+`storage_data` is computed on lookup (`_ChunkFiles`), so the metadata grows with tensors plus coordinates, not with
 their product.
 """
 
@@ -20,7 +20,7 @@ from ..manifest import Manifest
 from ..read.checkpoint import torch_dtype
 
 
-class KindChunks:
+class _KindChunks:
     """The distinct non-empty chunks of one (shape, placement) over every coordinate, and which coordinates hold
     each (a replicated tensor: one chunk, every coordinate)."""
 
@@ -55,7 +55,7 @@ class ChunkMap:
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self.own: int | None = None
-        self._kinds: dict[tuple, KindChunks] = {}
+        self._kinds: dict[tuple, _KindChunks] = {}
         self._position = {name: i for i, name in enumerate(manifest.order)}
         self._runs: dict[int, tuple[list[int], list]] = {}  # coordinate -> (first tensor of each file, its entries)
         for entry in sorted(manifest.files, key=lambda e: (e.coord, e.first)):
@@ -63,13 +63,13 @@ class ChunkMap:
             firsts.append(entry.first)
             entries.append(entry)
 
-    def kind(self, name: str) -> KindChunks:
+    def kind(self, name: str) -> _KindChunks:
         """The chunks of tensor `name`, shared with every tensor of its shape and placement."""
         info = self.manifest.tensors[name]
         key = (info.shape, info.placement)
         kind = self._kinds.get(key)
         if kind is None:
-            kind = self._kinds[key] = KindChunks(*key, self.manifest.mesh)
+            kind = self._kinds[key] = _KindChunks(*key, self.manifest.mesh)
         return kind
 
     def file_of(self, name: str, offsets: tuple[int, ...]) -> str:
@@ -95,12 +95,12 @@ class ChunkMap:
                 raise LoadError(f"{name} is {info.dtype} in {self.manifest.where}, a dtype torch cannot hold.")
             tensors[name] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype),
                                                   size=torch.Size(info.shape), chunks=self.kind(name).chunks)
-        metadata = Metadata(state_dict_metadata=tensors, storage_data=ChunkFiles(self, store))
+        metadata = Metadata(state_dict_metadata=tensors, storage_data=_ChunkFiles(self, store))
         metadata.storage_meta = StorageMeta(load_id=load_id)
         return metadata
 
 
-class ChunkFiles(Mapping):
+class _ChunkFiles(Mapping):
     """`Metadata.storage_data` without a tensors x coordinates table: `MetadataIndex(fqn, offsets)` -> the file
     that holds the chunk, this rank's own coordinate first. Computed on lookup."""
 

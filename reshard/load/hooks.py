@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 # The transformers releases the suite runs against (CI: the whole suite on the newest, the core tests on the oldest).
 # setup.cfg admits every later 5.x release: pip never refuses or downgrades a new one; `require_hooks` is the gate.
-TESTED_TRANSFORMERS = ((5, 23), (5, 24), (5, 25))
+_TESTED_TRANSFORMERS = ((5, 23), (5, 24), (5, 25))
 TESTED_RANGE = "transformers>=5.23,<5.26"
 
 
 @dataclass(frozen=True)
-class Hook:
+class _Hook:
     """One transformers name the patch relies on.
 
     `params` are the leading parameters, in order, that reshard passes or receives; `keywords` are parameters it
@@ -41,38 +41,38 @@ class Hook:
 
 _MU = "transformers.modeling_utils"
 HOOKS = (
-    Hook("transformers.distributed.fsdp", "fully_shard", "wrapped", ("module",), ("shard_placement_fn",)),
-    Hook("transformers.distributed.mixin", "apply_fully_sharded_data_parallelism", "wrapped", ("model",)),
-    Hook("transformers.distributed.mixin", "_load_model_checkpoint_distributed", "wrapped",
+    _Hook("transformers.distributed.fsdp", "fully_shard", "wrapped", ("module",), ("shard_placement_fn",)),
+    _Hook("transformers.distributed.mixin", "apply_fully_sharded_data_parallelism", "wrapped", ("model",)),
+    _Hook("transformers.distributed.mixin", "_load_model_checkpoint_distributed", "wrapped",
          ("model", "checkpoint_dir", "strict")),
-    Hook("transformers.core_model_loading", "WeightConverter.convert", "wrapped",
+    _Hook("transformers.core_model_loading", "WeightConverter.convert", "wrapped",
          ("self", "layer_name", "model", "config", "hf_quantizer", "loading_info")),
-    Hook("transformers.core_model_loading", "WeightRenaming.convert", "wrapped",
+    _Hook("transformers.core_model_loading", "WeightRenaming.convert", "wrapped",
          ("self", "layer_name", "model", "config", "hf_quantizer", "loading_info")),
-    Hook(_MU, "PreTrainedModel._move_missing_keys_from_meta_to_device", "replaced",
+    _Hook(_MU, "PreTrainedModel._move_missing_keys_from_meta_to_device", "replaced",
          ("self", "missing_keys", "device_map", "device_mesh", "hf_quantizer")),
-    Hook(_MU, "get_model_conversion_mapping", "wrapped", ("model", "key_mapping")),
-    Hook(_MU, "get_distributed_checkpoint_dir", "wrapped",
+    _Hook(_MU, "get_model_conversion_mapping", "wrapped", ("model", "key_mapping")),
+    _Hook(_MU, "get_distributed_checkpoint_dir", "wrapped",
          ("pretrained_model_name_or_path", "subfolder", "gguf_file", "state_dict")),
-    Hook(_MU, "_get_resolved_distributed_checkpoint_files", "wrapped", ("distributed_checkpoint_dir", "hf_quantizer")),
-    Hook(_MU, "PreTrainedModel.from_pretrained", "wrapped", ("pretrained_model_name_or_path",)),
-    Hook(_MU, "is_deepspeed_zero3_enabled", "called"),
-    Hook(_MU, "is_fsdp_enabled", "called"),
-    Hook(_MU, "is_local_dist_rank_0", "called"),
-    Hook(_MU, "get_device", "called", ("device_map", "param_name"), ("valid_torch_device",)),
-    Hook(_MU, "_load_parameter_into_model", "called", ("model", "param_name", "tensor")),
-    Hook(_MU, "_dtensor_from_local_like", "called", ("local_tensor", "ref")),
-    Hook(_MU, "is_dtensor", "called", ("obj",)),
-    Hook("transformers.distributed.utils", "is_dtensor", "called", ("obj",)),
-    Hook("transformers.distributed.utils", "_ensure_torch_distributed", "called"),
-    Hook("transformers.distributed", "DistributedConfig", "called", (),
+    _Hook(_MU, "_get_resolved_distributed_checkpoint_files", "wrapped", ("distributed_checkpoint_dir", "hf_quantizer")),
+    _Hook(_MU, "PreTrainedModel.from_pretrained", "wrapped", ("pretrained_model_name_or_path",)),
+    _Hook(_MU, "is_deepspeed_zero3_enabled", "called"),
+    _Hook(_MU, "is_fsdp_enabled", "called"),
+    _Hook(_MU, "is_local_dist_rank_0", "called"),
+    _Hook(_MU, "get_device", "called", ("device_map", "param_name"), ("valid_torch_device",)),
+    _Hook(_MU, "_load_parameter_into_model", "called", ("model", "param_name", "tensor")),
+    _Hook(_MU, "_dtensor_from_local_like", "called", ("local_tensor", "ref")),
+    _Hook(_MU, "is_dtensor", "called", ("obj",)),
+    _Hook("transformers.distributed.utils", "is_dtensor", "called", ("obj",)),
+    _Hook("transformers.distributed.utils", "_ensure_torch_distributed", "called"),
+    _Hook("transformers.distributed", "DistributedConfig", "called", (),
          ("fsdp_size", "ep_size", "dp_replicate_size", "tp_size", "pp_size", "enable_expert_parallel")),
 )
 
 
 @dataclass(frozen=True)
-class HookStatus:
-    hook: Hook
+class _HookStatus:
+    hook: _Hook
     problem: str | None  # None: present and as expected
 
     @property
@@ -80,7 +80,7 @@ class HookStatus:
         return self.problem is None
 
 
-def _resolve(hook: Hook):
+def _resolve(hook: _Hook):
     obj = importlib.import_module(hook.module)
     for part in hook.name.split("."):
         # The class dict, not getattr: a classmethod must be seen as itself, and a name inherited from a base class
@@ -92,7 +92,7 @@ def _resolve(hook: Hook):
     return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
 
 
-def _problem(hook: Hook) -> str | None:
+def _problem(hook: _Hook) -> str | None:
     try:
         obj = _resolve(hook)
     except ImportError as e:
@@ -116,9 +116,9 @@ def _problem(hook: Hook) -> str | None:
     return None
 
 
-def check_hooks() -> list[HookStatus]:
+def check_hooks() -> list[_HookStatus]:
     """The status of every hook in the installed transformers; imports transformers, installs nothing."""
-    return [HookStatus(hook, _problem(hook)) for hook in HOOKS]
+    return [_HookStatus(hook, _problem(hook)) for hook in HOOKS]
 
 
 def transformers_version() -> str:
@@ -134,10 +134,10 @@ def minor_of(version: str | None) -> tuple[int, int] | None:
 
 
 def in_tested_range(version: str) -> bool:
-    return minor_of(version) in TESTED_TRANSFORMERS
+    return minor_of(version) in _TESTED_TRANSFORMERS
 
 
-def refusal(version: str, broken: list[HookStatus]) -> str:
+def _refusal(version: str, broken: list[_HookStatus]) -> str:
     lines = "; ".join(f"{s.hook.qualified} ({s.hook.use}): {s.problem}" for s in broken)
     return (f"reshard's loader patch cannot install on transformers {version}: {lines}. It was tested with "
             f"{TESTED_RANGE}; install a version in that range (`pip install \"{TESTED_RANGE}\"`). Nothing was "
@@ -159,7 +159,7 @@ def require_hooks() -> None:
     version = transformers_version()
     broken = [s for s in check_hooks() if not s.ok]
     if broken:
-        raise ReshardError(refusal(version, broken))
+        raise ReshardError(_refusal(version, broken))
     if not in_tested_range(version):
         warnings.warn(f"reshard's loader patch was tested with {TESTED_RANGE}; transformers {version} is installed. "
                       "Every hook it uses is present with the expected signature, so it proceeds; report problems "

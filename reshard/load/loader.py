@@ -91,7 +91,7 @@ def _load_distributed(folder, model_class, distributed_config, check_checksums: 
         shown.phase(f"every rank's files checked; building the model on the meta device, sharded for "
                     f"{agreed.manifest.mesh.describe()}")
         with active_manifest(agreed.manifest, agreed.store, checksums=check_checksums), \
-                local_folder(agreed.store, agreed.manifest) as local:
+                _local_folder(agreed.store, agreed.manifest) as local:
             return _model_class(agreed.manifest, model_class).from_pretrained(
                 local, distributed_config=agreed.distributed_config, **kwargs)
 
@@ -109,11 +109,11 @@ def _opened(folder):
         raise LoadError(str(e)) from e
 
 
-FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
 
 @contextmanager
-def local_folder(store, manifest: Manifest):
+def _local_folder(store, manifest: Manifest):
     """The folder transformers reads `config.json` (and the rest of the copied files) from: the folder itself, or, for
     a remote one, a temporary local copy of just those small files and the manifest, removed after the load."""
     root = getattr(store, "root", None)
@@ -139,8 +139,8 @@ def _name_the_dtype(config: Path, manifest: Manifest) -> None:
         return
     document = json.loads(config.read_text())
     if document.get("dtype") is None and document.get("torch_dtype") is None:
-        floating = next((t.dtype for t in manifest.tensors.values() if t.dtype in FLOAT_DTYPES), "F32")
-        config.write_text(json.dumps({**document, "dtype": FLOAT_DTYPES[floating]}, indent=2))
+        floating = next((t.dtype for t in manifest.tensors.values() if t.dtype in _FLOAT_DTYPES), "F32")
+        config.write_text(json.dumps({**document, "dtype": _FLOAT_DTYPES[floating]}, indent=2))
 
 
 def assemble_state_dict(folder, *, check_checksums: bool = True) -> dict:
@@ -235,7 +235,7 @@ def _load_whole(store, manifest: Manifest, model_class, *, check_checksums: bool
 
     check_copied(manifest, store, need_config=kwargs.get("config") is None)  # before transformers opens any
     if kwargs.get("config") is None:
-        with local_folder(store, manifest) as local:
+        with _local_folder(store, manifest) as local:
             kwargs["config"] = AutoConfig.from_pretrained(local)
     config = kwargs.pop("config")
     state_dict = assemble_state_dict(store, check_checksums=check_checksums)

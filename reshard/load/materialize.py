@@ -42,7 +42,7 @@ __all__ = [
 
 # megatron-fsdp releases whose meta-init path we have read: `m.to_empty(device=self.device, recurse=False)` followed
 # by `m.reset_parameters()` in `megatron_fsdp/param_and_grad_buffer.py`. Other minors may have moved that call.
-MEGATRON_FSDP_KNOWN_VERSION = "0.6.1"
+_MEGATRON_FSDP_KNOWN_VERSION = "0.6.1"
 _MEGATRON_FSDP_SUPPORTED_MINOR = (0, 6)
 
 
@@ -338,8 +338,8 @@ def _require_supported(megatron_fsdp) -> None:
         supported = ".".join(map(str, _MEGATRON_FSDP_SUPPORTED_MINOR)) + ".x"
         raise ReshardError(
             f"megatron-fsdp {version or '(unknown version)'} is not supported by patch_megatron_fsdp(): it was "
-            f"checked against megatron-fsdp {supported} (known good: {MEGATRON_FSDP_KNOWN_VERSION}). Install "
-            f"megatron-fsdp=={MEGATRON_FSDP_KNOWN_VERSION}, or check that this version still materializes meta "
+            f"checked against megatron-fsdp {supported} (known good: {_MEGATRON_FSDP_KNOWN_VERSION}). Install "
+            f"megatron-fsdp=={_MEGATRON_FSDP_KNOWN_VERSION}, or check that this version still materializes meta "
             "modules with `to_empty` and, if so, call reshard.patch_to_empty() yourself."
         )
 

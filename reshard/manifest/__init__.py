@@ -15,8 +15,8 @@ from .coverage import coverage_problem, coverage_problems, region_text
 from .document import build_manifest, different_writes, joined_copies
 from .entries import Chunk, CoordEntry, ExtrasEntry, FileEntry, SourceRecord, TensorInfo, chunk_of, placement_of
 from .format import (DCP_SHARDING_INFO_KEY, DCP_VERSION, DCP_VERSION_KEY, EXTRA_FILE, MANIFEST_FORMAT, MANIFEST_NAME,
-                     MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, SHARD_FILE_NAME, dcp_metadata, extra_file_name,
-                     shard_file_name)
+                     MANIFEST_VERSION, SAVED_OFFSETS_KEY, SHARD_FILE, SHARD_FILE_NAME, dcp_metadata, dump_manifest,
+                     extra_file_name, shard_file_name)
 from .members import copied_problems, plain_name_problem
 from .parsed import MAX_MANIFEST_BYTES, Manifest, claimed_names, header_problems, read_manifest, write_label
 from .source_layout import SOURCE_LAYOUT_VERSION, OnDisk, source_layout_record, tied_from_record
@@ -28,7 +28,7 @@ __all__ = [
     "SAVED_OFFSETS_KEY", "SHARD_FILE", "SHARD_FILE_NAME", "SOURCE_LAYOUT_VERSION", "SourceRecord", "TensorInfo",
     "build_manifest", "different_writes", "joined_copies",
     "chunk_of", "claimed_names", "copied_problems", "coverage_problem", "coverage_problems",
-    "dcp_metadata", "extra_file_name", "header_problems",
+    "dcp_metadata", "dump_manifest", "extra_file_name", "header_problems",
     "placement_of", "plain_name_problem", "read_manifest", "region_text", "shard_file_name", "source_layout_record",
     "tied_from_record", "validate_manifest", "write_label",
 ]

@@ -31,7 +31,7 @@ def build_manifest(plan: ReshardPlan, index, files: list[FileEntry], extras: lis
         plan: the plan the files were written from.
         index: the source (`reshard.read.checkpoint.CheckpointIndex`, or its bf16 view of a quantized checkpoint).
         files: the rank files' entries, every coordinate's, in any order.
-        extras: the extras files' entries (`write_extras`); the `extras` section only when there are any.
+        extras: the extras files' entries (`_write_extras`); the `extras` section only when there are any.
     """
     mesh = plan.mesh
     files = tuple(sorted(files, key=lambda f: (f.coord, f.first)))

@@ -20,8 +20,8 @@ def plain_name_problem(name) -> str | None:
     return None
 
 
-CONFIG_NAME = "config.json"
-MAX_CONFIG_BYTES = 64 << 20  # far above any model's config.json; a longer one is not one
+_CONFIG_NAME = "config.json"
+_MAX_CONFIG_BYTES = 64 << 20  # far above any model's config.json; a longer one is not one
 
 
 def copied_problems(store, copied, *, config: bool = True, all_present: bool = True) -> list[str]:
@@ -37,28 +37,28 @@ def copied_problems(store, copied, *, config: bool = True, all_present: bool = T
             store.size(name)
         except FileNotFoundError:
             missing.add(name)
-            if all_present or (config and name == CONFIG_NAME):
+            if all_present or (config and name == _CONFIG_NAME):
                 problems.append(f"{name}: missing, though reshard.json lists it as copied from the source; {fix}")
         except (ReshardError, OSError) as e:
             kind = getattr(e, "kind", None)  # a FIFO, a device: named with this folder's remedy
             problems.append(f"{name}: {kind}, not a regular file; reshard reads only regular files: {fix}" if kind
                             else str(e))
-    if not config or any(p.startswith(f"{CONFIG_NAME}:") for p in problems):
+    if not config or any(p.startswith(f"{_CONFIG_NAME}:") for p in problems):
         return problems
-    if CONFIG_NAME not in copied and not store.exists(CONFIG_NAME):
-        return [*problems, f"{CONFIG_NAME}: missing; a load builds the model from it: {fix}"]
+    if _CONFIG_NAME not in copied and not store.exists(_CONFIG_NAME):
+        return [*problems, f"{_CONFIG_NAME}: missing; a load builds the model from it: {fix}"]
     return problems + _config_problems(store, fix)
 
 
 def _config_problems(store, fix: str) -> list[str]:
     try:
-        document = json.loads(store.read_all(CONFIG_NAME, MAX_CONFIG_BYTES, "model config"))
+        document = json.loads(store.read_all(_CONFIG_NAME, _MAX_CONFIG_BYTES, "model config"))
     except ReshardError as e:
-        return [f"{CONFIG_NAME}: {e}"]
+        return [f"{_CONFIG_NAME}: {e}"]
     except OSError as e:
-        return [f"{CONFIG_NAME}: cannot be read ({e.strerror or e}); {fix}"]
+        return [f"{_CONFIG_NAME}: cannot be read ({e.strerror or e}); {fix}"]
     except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested past the parser
-        return [f"{CONFIG_NAME}: not valid JSON ({type(e).__name__}: {str(e)[:120]}); {fix}"]
+        return [f"{_CONFIG_NAME}: not valid JSON ({type(e).__name__}: {str(e)[:120]}); {fix}"]
     if not isinstance(document, dict):
-        return [f"{CONFIG_NAME}: {type(document).__name__}, not the JSON object of a model config; {fix}"]
+        return [f"{_CONFIG_NAME}: {type(document).__name__}, not the JSON object of a model config; {fix}"]
     return []

@@ -26,12 +26,14 @@ from .validate import validate_manifest
 MAX_MANIFEST_BYTES = 1 << 30  # far above any real manifest (linear in tensors plus coordinates)
 
 
-SHORT_ID = 12  # hex digits of a write's id shown in messages: enough to tell writes apart at a glance
+_SHORT_ID = 12  # hex digits of a write's id shown in messages: enough to tell writes apart at a glance
 
 
 def write_label(write_id: str | None) -> str:
-    """`write 3f2a9c1b07de` (the id's first `SHORT_ID` digits), or what a manifest without an id is."""
-    return f"write {write_id[:SHORT_ID]}" if write_id else "a write of unknown identity (no write_id: an older reshard)"
+    """`write 3f2a9c1b07de` (the id's first `_SHORT_ID` digits), or what a manifest without an id is."""
+    if not write_id:
+        return "a write of unknown identity (no write_id: an older reshard)"
+    return f"write {write_id[:_SHORT_ID]}"
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,8 @@ def read_manifest(store) -> Manifest:
 
 def claimed_names(store, entries: list[str], *, with_copied: bool = True) -> tuple[set[str] | None, str | None]:
     """The file names the manifest of a reshard output, the folder `store` holding `entries`, claims as its own (the
-    manifest, rank and extras files, and the `copied` ones), read leniently, since an output of an older reshard may be replaced too:
+    manifest, rank and extras files, and the `copied` ones), read leniently, since an output of an older reshard may
+    be replaced too:
     (names, None), (None, None) when it records no `copied` (and `with_copied`), or (None, why) when there is no
     reshard manifest to read."""
     try:

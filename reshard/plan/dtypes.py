@@ -2,7 +2,7 @@
 
 It sits in `plan` because the plan is the lowest layer that sizes chunks; the readers of headers and of the manifest
 take it from here. Sub-byte dtypes (F4, F6_*) are known but refused where a chunk would cut into a byte
-(`reshard.read.safetensors_header.check_dtype`).
+(`reshard.read.safetensors_header._check_dtype`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class Role(str, Enum):
 
 
 @dataclass(frozen=True)
-class RoleRule:
+class _RoleRule:
     """A tensor whose in-memory name matches `pattern` (`re.search`) has `role`, unless it is a routed expert (the
     model's expert-parallel plan says which are). `seen_in` names the models the row was added for."""
 
@@ -33,11 +33,11 @@ class RoleRule:
 
 # The first matching row decides; a new model's naming quirk is a row here and a fixture in tests/breadth.py.
 ROLE_RULES = (
-    RoleRule(Role.SHARED_EXPERT, r"shared_expert|shared_mlp",
+    _RoleRule(Role.SHARED_EXPERT, r"shared_expert|shared_mlp",
              "DeepSeek-V3, GLM-4.5 (shared_experts), Qwen2-MoE (shared_expert), Granite-MoE-shared (shared_mlp)"),
-    RoleRule(Role.ROUTER, r"(^|\.)(gate|router|moe_statics)(\.|$)",
+    _RoleRule(Role.ROUTER, r"(^|\.)(gate|router|moe_statics)(\.|$)",
              "Mixtral, Qwen3-MoE, DeepSeek-V3 (mlp.gate), gpt-oss (router), ERNIE 4.5 (moe_statics)"),
-    RoleRule(Role.ROUTER, r"e_score_correction_bias|expert_bias",
+    _RoleRule(Role.ROUTER, r"e_score_correction_bias|expert_bias",
              "DeepSeek-V3, GLM-4.5 (e_score_correction_bias), aux-loss-free routers (expert_bias)"),
 )
 
@@ -127,7 +127,7 @@ class ModelLayout:
         expert_parallel: whether transformers has an EP plan for the experts (else only ep = 1 is possible).
         extras: the tensors of `ignored_sources`, each whole under its on-disk key (one piece, the key itself, or a
             chunk of an extras file of a reshard folder): what `write` keeps in files no rank loads and `merge`
-            writes back (`reshard.write.shards.write_extras`).
+            writes back (`reshard.write.shards._write_extras`).
         ignore_patterns: the model class's `_keys_to_ignore_on_load_unexpected` (regexes transformers matches with
             `re.search`): which extras transformers drops on purpose (MTP layers) rather than as unexpected keys.
     """

@@ -20,7 +20,7 @@ from ..errors import MeshError
 
 # The largest job reshard plans, writes and loads for. Every step is linear in fsdp coordinates (files), and the
 # manifest does not list ranks; the bound refuses a mistyped size before anything is sized by it.
-MAX_WORLD_SIZE = 65_536
+_MAX_WORLD_SIZE = 65_536
 
 
 class Axis(str, Enum):
@@ -46,7 +46,7 @@ class MeshSpec:
         pp: `pp_size`; only 1 is supported by reshard's layouts so far.
 
     Raises:
-        MeshError: a size is below 1, the world size is over `MAX_WORLD_SIZE`, the sizes do not fit together, or
+        MeshError: a size is below 1, the world size is over `_MAX_WORLD_SIZE`, the sizes do not fit together, or
             tp/pp > 1.
 
     Example:
@@ -65,11 +65,11 @@ class MeshSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise MeshError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-        if self.world_size > MAX_WORLD_SIZE:
+        if self.world_size > _MAX_WORLD_SIZE:
             raise MeshError(
                 f"a world size of {self.world_size:,} ranks (pp {self.pp} x dp_replicate {self.dp_replicate} x fsdp "
-                f"{self.fsdp} x tp {self.tp}) is over the {MAX_WORLD_SIZE:,} ranks reshard supports; pick mesh sizes "
-                f"whose product is at most {MAX_WORLD_SIZE:,}. Nothing was changed."
+                f"{self.fsdp} x tp {self.tp}) is over the {_MAX_WORLD_SIZE:,} ranks reshard supports; pick mesh sizes "
+                f"whose product is at most {_MAX_WORLD_SIZE:,}. Nothing was changed."
             )
         if self.tp > 1 or self.pp > 1:
             raise MeshError(

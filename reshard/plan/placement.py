@@ -88,7 +88,7 @@ def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(per, size - start)
 
 
-def chunk_lengths(size: int, parts: int) -> list[int]:
+def _chunk_lengths(size: int, parts: int) -> list[int]:
     """`[chunk(size, parts, i)[1] for i in range(parts)]`, built from its three runs (full, the rest, empty)."""
     per = -(-size // parts)
     if per == 0:
@@ -164,7 +164,7 @@ def split_lengths(shape: tuple[int, ...], placement: Placement, mesh: MeshSpec) 
     if placement.kind is Kind.REPLICATED:
         return [shape[0] if shape else 1] * mesh.num_coords
     d, blocks, count = placement.shard_dim, *_blocks(shape, placement, mesh)
-    lengths = chunk_lengths(blocks[0][d][1], count)[:mesh.num_coords // len(blocks)]
+    lengths = _chunk_lengths(blocks[0][d][1], count)[:mesh.num_coords // len(blocks)]
     lengths += [0] * (mesh.num_coords // len(blocks) - len(lengths))  # (a count below the chunks asked for)
     return lengths if len(blocks) == 1 else [length for length in lengths for _ in blocks]
 
@@ -184,7 +184,7 @@ def box_is_empty(box: Box) -> bool:
 
 
 @dataclass(frozen=True)
-class TensorPlan:
+class _TensorPlan:
     """One tensor's stock placement (what transformers does) and the placement reshard writes."""
 
     tensor: TargetTensor
@@ -203,8 +203,8 @@ class ReshardPlan:
         mesh: the target mesh.
         layout: the model's tensors and their on-disk pieces.
         mode: stock or balanced.
-        tensors: one `TensorPlan` per state-dict tensor, in model order.
-        quantization: the source's `reshard.read.quant.Quantization` when the layout is its bf16 view, else None.
+        tensors: one `_TensorPlan` per state-dict tensor, in model order.
+        quantization: the source's `reshard.read.quant._Quantization` when the layout is its bf16 view, else None.
         extras: the on-disk tensors the model does not load that `write` keeps, whole, in files no rank loads
             (`layout.extras`, or none with `drop_unloaded`).
     """
@@ -212,7 +212,7 @@ class ReshardPlan:
     mesh: MeshSpec
     layout: ModelLayout
     mode: LayoutMode
-    tensors: tuple[TensorPlan, ...]
+    tensors: tuple[_TensorPlan, ...]
     quantization: object = None
     extras: tuple[TargetTensor, ...] = ()
 
@@ -281,7 +281,7 @@ def make_plan(layout: ModelLayout, mesh: MeshSpec, *, mode: LayoutMode | str = L
     plans = []
     for tensor in layout.tensors:
         stock = _stock_placement(tensor, mesh)
-        plans.append(TensorPlan(tensor, stock, _planned_placement(stock, tensor, mode)))
+        plans.append(_TensorPlan(tensor, stock, _planned_placement(stock, tensor, mode)))
     return ReshardPlan(mesh, layout, mode, tuple(plans), quantization, () if drop_unloaded else layout.extras)
 
 
@@ -320,7 +320,7 @@ class FamilySummary:
         return tuple(i for i, n in enumerate(self.planned_rows) if n == 0)
 
 
-def _rows(plan: TensorPlan, mesh: MeshSpec, stock: bool) -> tuple[int, ...]:
+def _rows(plan: _TensorPlan, mesh: MeshSpec, stock: bool) -> tuple[int, ...]:
     return tuple(split_lengths(plan.tensor.shape, plan.stock if stock else plan.planned, mesh))
 
 

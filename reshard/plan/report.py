@@ -12,25 +12,25 @@ from .placement import FamilySummary, Kind, ReshardPlan, expert_bytes_per_rank, 
 PLAN_JSON_VERSION = 1
 
 
-MAP_WIDTH = 128  # one character per rank up to this many ranks; runs beyond, so a line stays readable
-MAX_RUNS = 24
+_MAP_WIDTH = 128  # one character per rank up to this many ranks; runs beyond, so a line stays readable
+_MAX_RUNS = 24
 
 
-def per_rank_maps(maps: list[tuple[int, ...]]) -> bool:
+def _per_rank_maps(maps: list[tuple[int, ...]]) -> bool:
     """Whether every rank map of one report fits one character per rank: a report uses one notation throughout."""
-    return all(max(rows, default=0) < 10 and len(rows) <= MAP_WIDTH for rows in maps)
+    return all(max(rows, default=0) < 10 and len(rows) <= _MAP_WIDTH for rows in maps)
 
 
 def _rank_map(rows: tuple[int, ...], replicated: bool, per_rank: bool = True) -> str:
     """Rows on the split dim per fsdp coordinate, `.` for an empty local.
 
-    `per_rank` (every map of the report qualifies, `per_rank_maps`): one character per rank (`33333320` for 8 ranks
+    `per_rank` (every map of the report qualifies, `_per_rank_maps`): one character per rank (`33333320` for 8 ranks
     of GLM-4.6 stock); otherwise runs, `384 on 64 ranks`, `12 on 3 ranks, . on 1 rank` when the last of 4 ranks is
-    empty; past `MAX_RUNS` runs, the rest is counted.
+    empty; past `_MAX_RUNS` runs, the rest is counted.
     """
     if replicated:
         return "all ranks hold it whole"
-    if per_rank and max(rows) < 10 and len(rows) <= MAP_WIDTH:
+    if per_rank and max(rows) < 10 and len(rows) <= _MAP_WIDTH:
         return "".join("." if n == 0 else str(n) for n in rows)
     runs: list[list[int]] = []
     for n in rows:
@@ -38,8 +38,8 @@ def _rank_map(rows: tuple[int, ...], replicated: bool, per_rank: bool = True) ->
             runs[-1][1] += 1
         else:
             runs.append([n, 1])
-    text = ", ".join(f"{'.' if n == 0 else n} on {plural(count, 'rank')}" for n, count in runs[:MAX_RUNS])
-    return text + (f" ... ({len(runs) - MAX_RUNS} more runs)" if len(runs) > MAX_RUNS else "")
+    text = ", ".join(f"{'.' if n == 0 else n} on {plural(count, 'rank')}" for n, count in runs[:_MAX_RUNS])
+    return text + (f" ... ({len(runs) - _MAX_RUNS} more runs)" if len(runs) > _MAX_RUNS else "")
 
 
 def human_bytes(n: float) -> str:
@@ -64,13 +64,13 @@ def plan_to_dict(plan: ReshardPlan, source: str) -> dict:
         "layout": plan.mode.value,
         "families": [_family_dict(f) for f in families],
         "ignored_sources": list(plan.layout.ignored_sources),
-        **({"extras": extras_summary(plan)} if plan.layout.extras else {}),
+        **({"extras": _extras_summary(plan)} if plan.layout.extras else {}),
         "summary": stats,
-        **({"quantization": quantization_summary(plan)} if plan.quantization is not None else {}),
+        **({"quantization": _quantization_summary(plan)} if plan.quantization is not None else {}),
     }
 
 
-def extras_summary(plan: ReshardPlan) -> dict:
+def _extras_summary(plan: ReshardPlan) -> dict:
     """The on-disk tensors the model does not load (MTP layers, unexpected keys) and what `write` does with them."""
     extras, patterns = plan.layout.extras, plan.layout.ignore_patterns
     by_class = [t.name for t in extras if any(re.search(p, t.name) for p in patterns)]
@@ -88,7 +88,7 @@ def extras_summary(plan: ReshardPlan) -> dict:
 
 
 def _extras_lines(plan: ReshardPlan) -> list[str]:
-    e = extras_summary(plan)
+    e = _extras_summary(plan)
     why = []
     if e["ignored_by_class"]:
         why.append(f"{e['ignored_by_class']} dropped on purpose (MTP layers...) by {plan.layout.architecture}"
@@ -106,7 +106,7 @@ def _extras_lines(plan: ReshardPlan) -> list[str]:
             f"  e.g. {', '.join(e['examples'])}", *(f"  {w}" for w in why), f"  {action}"]
 
 
-def quantization_summary(plan: ReshardPlan) -> dict:
+def _quantization_summary(plan: ReshardPlan) -> dict:
     """What a quantized source holds and what `write --dequantize bf16` makes of it."""
     from .placement import family_of
 
@@ -158,7 +158,7 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
         lines.append("  (_StridedShard(0, sf=N) is torch's private placement that transformers gives the expert dim "
                      "under EP: it is cut into N EP blocks, each split over efsdp = fsdp/ep ranks)")
     dense_empty = [f for f in families if f.role is not Role.EXPERT and f.stock_empty]
-    per_rank = per_rank_maps([rows for f in families if f.role is Role.EXPERT
+    per_rank = _per_rank_maps([rows for f in families if f.role is Role.EXPERT
                               for rows in (f.stock_rows, f.planned_rows)]
                              + [f.stock_rows for f in dense_empty if f.stock.kind is not Kind.REPLICATED])
     width = max((len(p.describe()) for f in families for p in (f.stock, f.planned)), default=0)
@@ -179,7 +179,7 @@ def render_plan(plan: ReshardPlan, source: str) -> str:
             rank_map = _rank_map(f.stock_rows, f.stock.kind is Kind.REPLICATED, per_rank)
             lines.append(f"  {f.pattern}  {list(f.shape)} ({plural(f.count, 'tensor')})  {rank_map}")
     if plan.quantization is not None:
-        q = quantization_summary(plan)
+        q = _quantization_summary(plan)
         families = q["dequantized_families"]
         lines += ["", f"quantized source: {q['format']}, {q['quantized_source_tensors']} tensors "
                       f"({human_bytes(q['quantized_source_bytes'])} with scales); planned as the bf16 model "

@@ -25,17 +25,17 @@ from ..plan.layout import ModelLayout, layout_from_dict, layout_to_dict
 
 # The modules whose code decides what a cached layout holds (reading the index, finding experts, the layout and its
 # JSON form, planning on it) and this one, which decides the key.
-LAYOUT_CODE_MODULES = ("read.checkpoint", "read.safetensors_header", "read.quant", "read.experts", "read.key_templates",
-                       "read.converter_ops", "plan.layout", "plan.placement", "read.cache")
+_LAYOUT_CODE_MODULES = ("read.checkpoint", "read.safetensors_header", "read.quant", "read.experts",
+                        "read.key_templates", "read.converter_ops", "plan.layout", "plan.placement", "read.cache")
 
 
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str | None:
-    """SHA-256 of the files of `LAYOUT_CODE_MODULES` as imported (source, or bytecode without it); None when they
+    """SHA-256 of the files of `_LAYOUT_CODE_MODULES` as imported (source, or bytecode without it); None when they
     cannot be read, which turns the cache off rather than risk a stale layout."""
     digest = hashlib.sha256()
     try:
-        for name in LAYOUT_CODE_MODULES:
+        for name in _LAYOUT_CODE_MODULES:
             spec = importlib.util.find_spec(f"reshard.{name}")
             digest.update(spec.loader.get_data(spec.origin))
     except (OSError, AttributeError, ImportError):

@@ -17,7 +17,7 @@ from ..errors import CheckpointError
 from .safetensors_header import FileHeader, TensorEntry, header_of, json_document
 
 INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+_SINGLE_NAME = "model.safetensors"
 
 # The torch dtype of each safetensors dtype torch can hold, by attribute name (a torch without one gets None).
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8",
@@ -29,7 +29,7 @@ TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F6
 # of a Hub repo keeps one in `.git/lfs/objects`, many repos add `original/` or `consolidated.*` for other runtimes.
 METADATA_PATTERNS = ("*.json", "*.txt", "*.model", "*.py", "*.jinja", "*.md", "*.tiktoken", "tokenizer*", "vocab*",
                      "merges*", "LICENSE*", "LICENCE*", "NOTICE*")
-NEVER_COPIED = (".*", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack", "*.onnx",
+_NEVER_COPIED = (".*", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack", "*.onnx",
                 "consolidated.*", "*.index.json")  # an index would name weight files OUT does not hold
 
 
@@ -106,20 +106,20 @@ def torch_dtype(code: str):
 def is_metadata_file(name: str) -> bool:
     """Whether a top-level file named `name` is copied into a written folder (see `METADATA_PATTERNS`)."""
     return (any(fnmatchcase(name, p) for p in METADATA_PATTERNS)
-            and not any(fnmatchcase(name, p) for p in NEVER_COPIED))
+            and not any(fnmatchcase(name, p) for p in _NEVER_COPIED))
 
 
-MAX_METADATA_BYTES = 64 << 20  # an index, a config: far above any real one
+_MAX_METADATA_BYTES = 64 << 20  # an index, a config: far above any real one
 
 
-def weight_names(store, where: str) -> tuple[list[str], dict[str, str] | None]:
+def _weight_names(store, where: str) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files of a checkpoint: those its index names (validated before any name in it is trusted),
     or, without an index, the top-level `*.safetensors` (not `shard-*` rank files, not `consolidated.*`)."""
     names = store.names()
     if INDEX_NAME not in names:
         # `consolidated.safetensors` (Mistral's own format) repeats the weights under other names
         return [n for n in names if n.endswith(".safetensors") and not n.startswith(("shard-", "consolidated."))], None
-    index = json_document(store.read_all(INDEX_NAME, MAX_METADATA_BYTES, "safetensors index"),
+    index = json_document(store.read_all(INDEX_NAME, _MAX_METADATA_BYTES, "safetensors index"),
                           f"{INDEX_NAME}: not a valid safetensors index: it", "download or copy it again", path=where)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -153,7 +153,7 @@ def read_config(store) -> dict:
         return {}
     where = store.url("config.json")
     try:
-        text = store.read_all("config.json", MAX_METADATA_BYTES, "config.json")
+        text = store.read_all("config.json", _MAX_METADATA_BYTES, "config.json")
     except OSError as e:
         raise CheckpointError(f"config.json: cannot be read ({e}).", path=where) from e
     config = json_document(text, "config.json", "fix or replace it", path=where)
@@ -178,7 +178,7 @@ def _index_tensors(files: list[FileHeader], weight_map: dict[str, str] | None, w
     return tensors
 
 
-def headers_of(store, names: list[str]) -> list[FileHeader]:
+def _headers_of(store, names: list[str]) -> list[FileHeader]:
     """Every named file's header, in order; a remote store's are fetched 8 at a time (each takes one or two
     requests, and a 700 GB checkpoint has about a hundred files)."""
     if not store.remote:
@@ -198,12 +198,12 @@ def checkpoint_index(store, *, source: str, revision: str | None = None, only: s
         CheckpointError: no weight files, an index that lies or leaves the folder, a malformed header, a special
             file among the metadata files.
     """
-    names, weight_map = ([only], None) if only is not None else weight_names(store, source)
+    names, weight_map = ([only], None) if only is not None else _weight_names(store, source)
     if not names:
         raise CheckpointError(f"{source}: no .safetensors files and no {INDEX_NAME}. Pass a checkpoint folder, a "
                               "Hugging Face cache snapshot, a Hub repo id, an s3:// URL, a reshard folder or a folder "
                               "saved with save_pretrained(..., distributed_checkpoint=True).", path=source)
-    headers = headers_of(store, names)
+    headers = _headers_of(store, names)
     return CheckpointIndex(source, revision, store, read_config(store), tuple(headers),
                            _index_tensors(headers, weight_map, source),
                            () if only is not None else copied_files(store, set(names)))

@@ -15,7 +15,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 SAMPLES, SAMPLE_BYTES = 4, 4096
-REMOTE_THREADS = 8  # a remote store's samples: a request each, so files are sampled concurrently
+_REMOTE_THREADS = 8  # a remote store's samples: a request each, so files are sampled concurrently
 
 
 def sampled_crc(store, name: str, data_start: int, size: int) -> str:
@@ -44,7 +44,7 @@ def content_tags(index) -> list[list]:
 
     headers = sorted(index.files, key=lambda h: h.name)
     if getattr(store, "remote", False) and len(headers) > 1:
-        with ThreadPoolExecutor(REMOTE_THREADS) as pool:
+        with ThreadPoolExecutor(_REMOTE_THREADS) as pool:
             tags = list(pool.map(tag, headers))
     else:
         tags = [tag(h) for h in headers]

@@ -3,8 +3,9 @@ slice by slice.
 
 transformers' conversion mapping builds a tensor with ops applied in order (`MergeModulelist` stacks per-expert
 keys, `Concatenate` joins projections). reshard never runs them: `compose_pieces` turns each accepted op into
-offsets, so every on-disk tensor lands as a whole block of the target and its bytes are copied as they are. Only the ops that compose that way are accepted; any other is refused by name, with the reason where the
-name alone does not say it (a fused tensor transformers splits, experts it dequantizes while loading).
+offsets, so every on-disk tensor lands as a whole block of the target and its bytes are copied as they are. Only
+the ops that compose that way are accepted; any other is refused by name, with the reason where the name alone
+does not say it (a fused tensor transformers splits, experts it dequantizes while loading).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def _refuse_op(name, op, converter, model_type) -> None:
     if kind == "Transpose" and not op.check_dims:  # Ergo's router (`gate_kernel`) and shared expert, [in, out] on disk
         raise ArchitectureError(
             f"{model_type}: {name} is stored transposed (transformers transposes on-disk "
-            f"{', '.join(p.replace(chr(92), '') for p in converter.source_patterns)} as it loads); reshard copies whole on-disk tensors byte for byte and does not transpose, so a checkpoint "
+            f"{', '.join(p.replace(chr(92), '') for p in converter.source_patterns)} as it loads); reshard copies "
+            "whole on-disk tensors byte for byte and does not transpose, so a checkpoint "
             "storing them transposed is not supported yet (one saved with the in-memory names, "
             "save_pretrained(save_original_format=False), is). Nothing was written.")
     if kind == "Inkling2LoopDequantizeExperts":

@@ -8,12 +8,12 @@ tensor under its in-memory name at its `saved_offsets`):
   `shard-RRRRR-model-00001-of-00001.safetensors` files from any mesh; `config.json` says which model it is (its
   meta model gives every tensor's global shape, role and whether it is a parameter).
 
-`read_dcp_source` (which `reshard.read.source.open_source` calls for these kinds) turns either into the two things the byte-run machinery needs: a `CheckpointIndex` whose tensors
-are the input chunks (one `TensorEntry` each, under a unique synthetic key), and a `ModelLayout` whose tensors are
-the in-memory tensors, each with one `Piece` per non-empty chunk at its global offset. `write_shards` then writes
-any mesh from it, and `reshard.write.merge` any HF layout, both by copying byte runs. Coverage is checked first,
-exactly: a tensor whose chunks overlap, leave a gap, or disagree on dtype is an error naming the region, never
-zeros.
+`read_dcp_source` (which `reshard.read.source.open_source` calls for these kinds) turns either into the two things
+the byte-run machinery needs: a `CheckpointIndex` whose tensors are the input chunks (one `TensorEntry` each, under
+a unique synthetic key), and a `ModelLayout` whose tensors are the in-memory tensors, each with one `Piece` per
+non-empty chunk at its global offset. `reshard.write.shards` then writes any mesh from it, and `reshard.write.merge`
+any HF layout, both by copying byte runs. Coverage is checked first, exactly: a tensor whose chunks overlap, leave a
+gap, or disagree on dtype is an error naming the region, never zeros.
 
 The on-disk layout of the checkpoint a folder came from (which on-disk keys, at which offsets, make each in-memory
 tensor) is what `reshard merge --layout original` writes back: a reshard folder records it in its manifest
@@ -71,7 +71,7 @@ def read_dcp_source(location) -> tuple[DcpIndex, ModelLayout]:
     """Read a reshard folder or a `save_pretrained(..., distributed_checkpoint=True)` folder as a source.
 
     Args:
-        location: where the folder is (`reshard.read.source.Location`, of kind reshard or saved).
+        location: where the folder is (`reshard.read.source._Location`, of kind reshard or saved).
 
     Returns:
         (the chunk index, the in-memory layout whose pieces are the chunks).
@@ -303,8 +303,8 @@ def _place(name, shape, found, entries, where, *, dtype=None):
         if 0 in entry.shape:
             continue  # an explicit empty marker
         if any(o + n > s for o, n, s in zip(offsets, entry.shape, shape)):
-            raise CheckpointError(f"{where}: {entry.file} holds {name}[{region_text(offsets, entry.shape)}], outside its "
-                                  f"shape {list(shape)}. Nothing was written.", path=where)
+            raise CheckpointError(f"{where}: {entry.file} holds {name}[{region_text(offsets, entry.shape)}], outside "
+                                  f"its shape {list(shape)}. Nothing was written.", path=where)
         distinct.setdefault(tuple(zip(offsets, entry.shape)), entry)
     if dtype is not None:
         dtypes.setdefault(dtype, "reshard.json")

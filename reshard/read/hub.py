@@ -1,7 +1,7 @@
 """The Hugging Face Hub as a source: cache snapshots, what of a repo is downloaded, and when it is streamed instead.
 
 A repo's metadata files are always fetched into the cache (kilobytes). Its weights are downloaded too for a write that
-does not stream, only the files its index names (`HUB_IGNORE` keeps out second copies such as `original/`); otherwise
+does not stream, only the files its index names (`_HUB_IGNORE` keeps out second copies such as `original/`); otherwise
 they are read where the cache already has them, or in ranges from the Hub. Offline (`HF_HUB_OFFLINE`) only the cache
 is read, and what it lacks is named. `reshard.read.source` decides that an argument is a repo id; this module serves it.
 """
@@ -18,7 +18,7 @@ from .remote import READ_TIMEOUT_S, CachedHubStore, RemoteStore
 from .store import LocalStore, Store
 
 # Hub paths never downloaded: fnmatch's `*` crosses `/`, so `*/*` keeps the download at the top level.
-HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
+_HUB_IGNORE = ("*/*", "original/*", ".*", "*.pth", "*.pt", "*.bin", "*.gguf", "consolidated.*")
 
 
 def cache_repo_of(path: Path) -> Path | None:
@@ -115,7 +115,8 @@ def _snapshot(repo_id: str, revision: str | None, *, allow: list[str], weights: 
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     offline = _offline()
-    ignore = [p for p in HUB_IGNORE if p != "*/*" or not any("/" in w for w in allow)] if weights else list(HUB_IGNORE)
+    ignore = ([p for p in _HUB_IGNORE if p != "*/*" or not any("/" in w for w in allow)] if weights
+              else list(_HUB_IGNORE))
     try:
         root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow, ignore_patterns=ignore))
     except (LocalEntryNotFoundError, FileNotFoundError) as e:

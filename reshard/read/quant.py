@@ -24,11 +24,11 @@ from .checkpoint import CheckpointIndex
 from .safetensors_header import TensorEntry
 from ..errors import QuantizationError
 
-FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-FP8_SCALE_DTYPES = ("F32", "BF16", "F16")
-FP8_SCALE_SUFFIX = "_scale_inv"
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+_FP8_SCALE_DTYPES = ("F32", "BF16", "F16")
+_FP8_SCALE_SUFFIX = "_scale_inv"
 MXFP4_BLOCK = 32  # values per e8m0 scale
-SUPPORTED_METHODS = ("fp8", "mxfp4")
+_SUPPORTED_METHODS = ("fp8", "mxfp4")
 OUTPUT_DTYPES = ("bf16",)
 
 
@@ -60,7 +60,7 @@ class QuantizedTensor:
 
 
 @dataclass(frozen=True)
-class Quantization:
+class _Quantization:
     """A checkpoint's quantization, as found in its config and headers.
 
     Attributes:
@@ -89,7 +89,7 @@ class Quantization:
         return "MXFP4 (e2m1 values, an e8m0 scale per 32)"
 
 
-def detect_quantization(index: CheckpointIndex) -> Quantization | None:
+def detect_quantization(index: CheckpointIndex) -> _Quantization | None:
     """The checkpoint's quantization, or None when `config.json` has no `quantization_config`.
 
     Raises:
@@ -110,13 +110,13 @@ def detect_quantization(index: CheckpointIndex) -> Quantization | None:
     else:
         raise QuantizationError(
             f"{index.source}: quant_method {method!r} is not supported; reshard dequantizes "
-            f"{' and '.join(SUPPORTED_METHODS)} (block-scaled FP8 as DeepSeek-V3 ships it, MXFP4 as gpt-oss does). "
+            f"{' and '.join(_SUPPORTED_METHODS)} (block-scaled FP8 as DeepSeek-V3 ships it, MXFP4 as gpt-oss does). "
             "Dequantize it with its own tools first, or open an issue with the config.", path=index.source)
     if not tensors:
         raise QuantizationError(f"{index.source}: config.json says quant_method {method!r}, but no tensor is stored "
                                 "quantized; remove quantization_config from config.json if the weights are not.",
                                 path=index.source)
-    return Quantization(method, dict(qc), dict(sorted(tensors.items())))
+    return _Quantization(method, dict(qc), dict(sorted(tensors.items())))
 
 
 def _block_size(index: CheckpointIndex, qc: dict) -> tuple[int, int]:
@@ -134,19 +134,19 @@ def _fp8_tensors(index: CheckpointIndex, block: tuple[int, int]) -> dict[str, Qu
     bm, bn = block
     out = {}
     for key, scale in index.tensors.items():
-        if not key.endswith(FP8_SCALE_SUFFIX):
+        if not key.endswith(_FP8_SCALE_SUFFIX):
             continue
-        name = key[:-len(FP8_SCALE_SUFFIX)]
+        name = key[:-len(_FP8_SCALE_SUFFIX)]
         data = index.tensors.get(name)
         if data is None:
             raise QuantizationError(f"{scale.file}: scale {key!r} has no weight {name!r} beside it; the checkpoint is "
                                     "incomplete.", path=scale.file)
-        if data.dtype not in FP8_DTYPES:
+        if data.dtype not in _FP8_DTYPES:
             raise QuantizationError(f"{data.file}: {name!r} is {data.dtype} but has a scale {key!r}; reshard "
-                                    f"dequantizes FP8 weights ({', '.join(FP8_DTYPES)}).", path=data.file)
-        if scale.dtype not in FP8_SCALE_DTYPES:
+                                    f"dequantizes FP8 weights ({', '.join(_FP8_DTYPES)}).", path=data.file)
+        if scale.dtype not in _FP8_SCALE_DTYPES:
             raise QuantizationError(f"{scale.file}: scale {key!r} is {scale.dtype}; reshard reads "
-                                    f"{', '.join(FP8_SCALE_DTYPES)} block scales.", path=scale.file)
+                                    f"{', '.join(_FP8_SCALE_DTYPES)} block scales.", path=scale.file)
         if len(data.shape) < 2:
             raise QuantizationError(f"{data.file}: FP8 {name!r} has shape {list(data.shape)}; block scales need at "
                                     "least 2 dims.", path=data.file)
@@ -159,8 +159,8 @@ def _fp8_tensors(index: CheckpointIndex, block: tuple[int, int]) -> dict[str, Qu
                 "Check weight_block_size in config.json against the checkpoint.", path=scale.file)
         out[name] = QuantizedTensor(name, tuple(data.shape), "fp8", data, scale, block)
     for key, data in index.tensors.items():
-        if data.dtype in FP8_DTYPES and key not in out:
-            raise QuantizationError(f"{data.file}: FP8 tensor {key!r} has no scale {key + FP8_SCALE_SUFFIX!r}; the "
+        if data.dtype in _FP8_DTYPES and key not in out:
+            raise QuantizationError(f"{data.file}: FP8 tensor {key!r} has no scale {key + _FP8_SCALE_SUFFIX!r}; the "
                                     "checkpoint is incomplete (download the missing file) or not block-scaled.",
                                     path=data.file)
     return out
@@ -198,7 +198,7 @@ def _mxfp4_tensors(index: CheckpointIndex) -> dict[str, QuantizedTensor]:
     return out
 
 
-def dequantized_view(index: CheckpointIndex, quantization: Quantization) -> CheckpointIndex:
+def dequantized_view(index: CheckpointIndex, quantization: _Quantization) -> CheckpointIndex:
     """The index of the bf16 checkpoint `index` stands for: each quantized pair becomes one BF16 entry (its
     `data_start` is the quantized data's; `quantized` says how to compute it), and the config loses
     `quantization_config`."""

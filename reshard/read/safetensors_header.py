@@ -86,7 +86,7 @@ def _not_a_number(constant: str):
 
 
 
-def check_dtype(dtype, *, file: str, name: str) -> None:
+def _check_dtype(dtype, *, file: str, name: str) -> None:
     """Refuse a dtype reshard cannot copy: unknown to safetensors, or packed several elements to a byte.
 
     A sub-byte element (F4, F6_*) has no byte offset of its own, so a chunk boundary can fall inside a byte and
@@ -149,7 +149,7 @@ def _entry(name: str, info, file: str, data_start: int) -> TensorEntry:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: entry {name!r} lacks dtype, shape or data_offsets; the file is corrupt.",
                               path=file) from e
-    check_dtype(dtype, file=file, name=name)
+    _check_dtype(dtype, file=file, name=name)
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)) or begin > end:
         raise CheckpointError(f"{file}: entry {name!r} has shape {list(shape)} and offsets [{begin}, {end}], "
                               "which are not valid.", path=file)

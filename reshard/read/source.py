@@ -56,7 +56,7 @@ class Kind(str, Enum):
 
 
 @dataclass(frozen=True)
-class Location:
+class _Location:
     """Where a source is and what it holds, decided from the argument and a listing, before any header is read.
 
     Attributes:
@@ -90,7 +90,7 @@ class Folder:
     """A reshard folder opened once: where it is and its validated manifest (None: a folder without one, opened with
     `need_manifest=False`). Commands and the loader open a folder here and pass this value down."""
 
-    location: Location
+    location: _Location
     manifest: Manifest | None
 
     @property
@@ -112,7 +112,7 @@ def open_folder(spec, *, need_manifest: bool = True) -> Folder:
 
 
 @dataclass(frozen=True)
-class Source:
+class _Source:
     """A source opened: its location and its index (for a quantized checkpoint, the index of the bf16 checkpoint it
     stands for), and, for a folder in the distributed-checkpoint layout, the model layout the folder itself records.
 
@@ -124,7 +124,7 @@ class Source:
             with transformers' tables).
     """
 
-    location: Location
+    location: _Location
     index: CheckpointIndex
     layout: object = None  # reshard.plan.layout.ModelLayout
 
@@ -165,7 +165,7 @@ def is_url(spec) -> bool:
     return isinstance(spec, str) and bool(_URL.match(spec))
 
 
-def repo_id_problem(spec: str) -> str | None:
+def _repo_id_problem(spec: str) -> str | None:
     """Why `spec` is not a valid Hub repo id, or None (huggingface_hub's own rules)."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -185,7 +185,7 @@ def _not_found(spec: str) -> CheckpointError:
 
 
 def locate(spec, *, revision: str | None = None, stream: bool = False, data: bool = True,
-           outside_links: bool = False) -> Location:
+           outside_links: bool = False) -> _Location:
     """Where `spec` is and what it holds (see the module docstring); reads a listing, never a header.
 
     Args:
@@ -211,24 +211,24 @@ def locate(spec, *, revision: str | None = None, stream: bool = False, data: boo
         return _local(spec, path, outside_links)
     if not _REPO_ID.match(spec):
         raise _not_found(spec)
-    if why := repo_id_problem(spec):
+    if why := _repo_id_problem(spec):
         raise CheckpointError(f"{spec}: no local folder of that name, and not a valid Hub repo id ({why}). Check the "
                               "path or the repo id. Nothing was read.", path=spec)
     return _hub(spec, revision, stream=stream, data=data)
 
 
-def _local(spec: str, path: Path, outside_links: bool = False) -> Location:
+def _local(spec: str, path: Path, outside_links: bool = False) -> _Location:
     if path.is_file() or (path.exists() and not path.is_dir()):
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: not a .safetensors file or a folder.", path=str(path))
-        return Location(spec, Where.LOCAL, Kind.CHECKPOINT, LocalStore(path.parent), single_file=path.name)
+        return _Location(spec, Where.LOCAL, Kind.CHECKPOINT, LocalStore(path.parent), single_file=path.name)
     repo = cache_repo_of(path)
     if repo is not None:
         return _located(spec, Where.HF_CACHE, LocalStore(path, cache_repo=repo))
     return _located(spec, Where.LOCAL, LocalStore(path, links_anywhere=outside_links))
 
 
-def kind_of(names) -> Kind:
+def _kind_of(names) -> Kind:
     """A folder's kind from its file names: a manifest makes a reshard folder, rank files a saved one."""
     if MANIFEST_NAME in names:
         return Kind.RESHARD
@@ -237,18 +237,18 @@ def kind_of(names) -> Kind:
     return Kind.CHECKPOINT
 
 
-def _located(spec: str, where: Where, store: Store, revision: str | None = None) -> Location:
-    kind = kind_of(store.names())
+def _located(spec: str, where: Where, store: Store, revision: str | None = None) -> _Location:
+    kind = _kind_of(store.names())
     if kind is not Kind.CHECKPOINT and isinstance(store, LocalStore):
         # a distributed checkpoint's rank files may be links (a node's copy assembled from another disk): what each
         # must hold is checked against the manifest or the headers; copied files must still be inside
         store.links_anywhere = True
-    return Location(spec, where, kind, store, revision)
+    return _Location(spec, where, kind, store, revision)
 
 
 # ---- remote stores --------------------------------------------------------------------------------------------------
 
-def s3_endpoint() -> str | None:
+def _s3_endpoint() -> str | None:
     """The S3 endpoint of the standard AWS environment (None: AWS's own)."""
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
@@ -257,7 +257,7 @@ def s3_filesystem(s3fs):
     """An `s3fs.S3FileSystem` for the standard AWS environment, with one try per request: reshard retries each
     request itself, bounded (`reshard.read.remote.ATTEMPTS`), where s3fs's and botocore's own nested retries would
     multiply into minutes; the instance is fresh, so the environment of this call decides."""
-    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint(), skip_instance_cache=True, config_kwargs={
+    fs = s3fs.S3FileSystem(endpoint_url=_s3_endpoint(), skip_instance_cache=True, config_kwargs={
         "connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S, "retries": {"total_max_attempts": 1}})
     fs.retries = 1
     return fs
@@ -276,12 +276,12 @@ def _s3_store(url: str) -> S3Store:
     store = S3Store(s3_filesystem(s3fs), base, f"s3://{base}")
     if not store.names():
         raise CheckpointError(f"{url}: no objects under this prefix (or the bucket cannot be listed at "
-                              f"{s3_endpoint() or 'the default AWS endpoint'}). Check the URL, AWS_ENDPOINT_URL_S3 / "
+                              f"{_s3_endpoint() or 'the default AWS endpoint'}). Check the URL, AWS_ENDPOINT_URL_S3 / "
                               "AWS_ENDPOINT_URL and the credentials. Nothing was read.", path=url)
     return store
 
 
-def _s3_object(url: str) -> Location | None:
+def _s3_object(url: str) -> _Location | None:
     """`s3://bucket/prefix/x.safetensors` naming an object: a one-file source, as a local `.safetensors` file is (its
     prefix serves the config); None when the URL names no such object (a prefix, read as one)."""
     parent, _, name = url.rstrip("/").rpartition("/")
@@ -291,15 +291,15 @@ def _s3_object(url: str) -> Location | None:
         store = _s3_store(parent)
     except CheckpointError:
         return None
-    return Location(url, Where.S3, Kind.CHECKPOINT, store, single_file=name) if name in store.names() else None
+    return _Location(url, Where.S3, Kind.CHECKPOINT, store, single_file=name) if name in store.names() else None
 
 
-def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> Location:
+def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> _Location:
     """A Hub repo (`reshard.read.hub`): a cache snapshot, or read in ranges."""
     store = hub_store(repo_id, revision, stream=stream, data=data)
     if isinstance(store, LocalStore):
-        return Location(repo_id, Where.HUB, kind_of(store.names()), store, revision)
-    return Location(repo_id, Where.HUB_STREAM, Kind.CHECKPOINT, store, revision)
+        return _Location(repo_id, Where.HUB, _kind_of(store.names()), store, revision)
+    return _Location(repo_id, Where.HUB_STREAM, Kind.CHECKPOINT, store, revision)
 
 
 # ---- opening --------------------------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ DISTRIBUTED = (Kind.RESHARD, Kind.SAVED)
 
 
 def open_source(spec, *, revision: str | None = None, stream: bool = False, data: bool = True,
-                kinds: tuple[Kind, ...] | None = None, store: Store | None = None) -> Source:
+                kinds: tuple[Kind, ...] | None = None, store: Store | None = None) -> _Source:
     """Open any source: locate it (`locate`), read its index from metadata, and for a quantized checkpoint take the
     bf16 view (`reshard.read.quant.dequantized_view`). What `plan`, `write`, `verify --against`, `merge` (and its
     `--extras-from`) run.
@@ -320,7 +320,7 @@ def open_source(spec, *, revision: str | None = None, stream: bool = False, data
             joined from every node's disk); `spec` then only names them.
 
     Returns:
-        A `Source`.
+        A `_Source`.
 
     Raises:
         CheckpointError: the source is missing, unreachable or malformed; for a reshard or saved folder, a file
@@ -343,15 +343,15 @@ def open_source(spec, *, revision: str | None = None, stream: bool = False, data
         from .dcp_source import read_dcp_source
 
         index, layout = read_dcp_source(location)
-        return Source(location, index, layout)
+        return _Source(location, index, layout)
     index = _checkpoint(location)
     from .quant import dequantized_view, detect_quantization
 
     quantization = detect_quantization(index)
-    return Source(location, index if quantization is None else dequantized_view(index, quantization))
+    return _Source(location, index if quantization is None else dequantized_view(index, quantization))
 
 
-def _checkpoint(location: Location) -> CheckpointIndex:
+def _checkpoint(location: _Location) -> CheckpointIndex:
     return checkpoint_index(location.store, source=location.spec, revision=location.revision,
                             only=location.single_file)
 

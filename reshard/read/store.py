@@ -129,7 +129,7 @@ def _kind_of(mode: int) -> str | None:
             else "not a regular file")
 
 
-def refuse_irregular(path: Path, name: str, mode: int) -> None:
+def _refuse_irregular(path: Path, name: str, mode: int) -> None:
     """Refuse a FIFO, a device, a socket or a folder where a file is read; the error's `kind` names which."""
     if kind := _kind_of(mode):
         error = CheckpointError(f"{name}: {kind}, not a regular file; reshard reads only regular files from a "
@@ -139,7 +139,7 @@ def refuse_irregular(path: Path, name: str, mode: int) -> None:
         raise error
 
 
-def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What makes a file the same file: device, inode, size and modification time (ns)."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
@@ -149,7 +149,7 @@ def changed(where: str, what: str) -> SourceChangedError:
                               "nothing writes to the source. Nothing was kept.", path=where)
 
 
-def resolved(path: Path, name: str) -> Path:
+def _resolved(path: Path, name: str) -> Path:
     """`path` with every link followed; a link that loops is refused by name (not a RuntimeError traceback)."""
     try:
         return path.resolve()
@@ -159,25 +159,25 @@ def resolved(path: Path, name: str) -> Path:
                               "should be. Nothing was read or changed.", path=str(path)) from None
 
 
-def stat_of(path: Path, name: str) -> os.stat_result:
+def _stat_of(path: Path, name: str) -> os.stat_result:
     """`os.stat(path)`; a link that loops is refused by name."""
     try:
         return os.stat(path)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            resolved(path, name)  # raises the refusal, naming the loop
+            _resolved(path, name)  # raises the refusal, naming the loop
         raise
 
 
-def open_regular(path: Path, name: str):
+def _open_regular(path: Path, name: str):
     """Open `path` (`name` in messages) for reading, unbuffered, only if it is a regular file; the open cannot block
     (O_NONBLOCK, then fstat refuses a FIFO swapped in after the check)."""
-    refuse_irregular(path, name, stat_of(path, name).st_mode)
+    _refuse_irregular(path, name, _stat_of(path, name).st_mode)
 
     def opener(file, flags: int) -> int:
         fd = os.open(file, flags | os.O_NONBLOCK)
         try:
-            refuse_irregular(path, name, os.fstat(fd).st_mode)
+            _refuse_irregular(path, name, os.fstat(fd).st_mode)
             os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)
@@ -246,7 +246,7 @@ class LocalStore(Store):
             self._inside.add(name)
 
     def _check_link(self, path: Path, name: str) -> None:
-        target = resolved(path, name)
+        target = _resolved(path, name)
         if not any(target.is_relative_to(folder.resolve()) for folder in (self.root, self.link_root)):
             if self.cache_repo is not None:
                 accepted = (f"in a Hugging Face cache snapshot, links are followed into {self.cache_repo / 'blobs'} "
@@ -264,16 +264,16 @@ class LocalStore(Store):
 
     def size(self, name: str) -> int:
         path = self.path(name)
-        mode = stat_of(path, name)
-        refuse_irregular(path, name, mode.st_mode)
-        self._seen.setdefault(name, identity(mode))  # the file a header read then opens must be this one
+        mode = _stat_of(path, name)
+        _refuse_irregular(path, name, mode.st_mode)
+        self._seen.setdefault(name, _identity(mode))  # the file a header read then opens must be this one
         return mode.st_size
 
     def _pin(self, name: str, st: os.stat_result) -> None:
         """Remember `name`'s identity when first seen; refuse another file under its name later."""
-        seen = self._seen.setdefault(name, identity(st))
-        if seen != identity(st):
-            raise changed(self.url(name), _difference(seen, identity(st)))
+        seen = self._seen.setdefault(name, _identity(st))
+        if seen != _identity(st):
+            raise changed(self.url(name), _difference(seen, _identity(st)))
 
     def check_unchanged(self, name: str) -> None:
         seen = self._seen.get(name)
@@ -281,8 +281,8 @@ class LocalStore(Store):
             return
         fd = self._fds.get(name)
         try:
-            now = identity(os.fstat(fd) if fd is not None else os.stat(self.root / name))
-            at_path = identity(os.stat(self.root / name))
+            now = _identity(os.fstat(fd) if fd is not None else os.stat(self.root / name))
+            at_path = _identity(os.stat(self.root / name))
         except FileNotFoundError:
             raise changed(self.url(name), "it was removed") from None
         for found in (now, at_path):
@@ -291,14 +291,14 @@ class LocalStore(Store):
 
     def local_path(self, name: str) -> Path | None:
         path = self.path(name)
-        refuse_irregular(path, name, stat_of(path, name).st_mode)
+        _refuse_irregular(path, name, _stat_of(path, name).st_mode)
         return path
 
     def _fd(self, name: str) -> int:
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
-                with open_regular(self.path(name), name) as f:
+                with _open_regular(self.path(name), name) as f:
                     self._pin(name, os.fstat(f.fileno()))
                     fd = self._fds[name] = os.dup(f.fileno())
             return fd
@@ -314,7 +314,7 @@ class LocalStore(Store):
                                   "again. Nothing was kept.", path=self.url(name))
 
     def open(self, name: str):
-        f = open_regular(self.path(name), name)
+        f = _open_regular(self.path(name), name)
         try:
             self._pin(name, os.fstat(f.fileno()))
         except BaseException:

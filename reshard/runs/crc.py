@@ -21,11 +21,11 @@ import zlib
 from array import array
 from functools import lru_cache
 
-POLY = 0xEDB88320  # zlib's CRC-32 polynomial, reflected: bit 31 is x^0
+_POLY = 0xEDB88320  # zlib's CRC-32 polynomial, reflected: bit 31 is x^0
 
 
 def _times_x(b: int) -> int:
-    return (b >> 1) ^ POLY if b & 1 else b >> 1
+    return (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -49,13 +49,13 @@ def _x2n_table() -> tuple[int, ...]:
     return tuple(table)
 
 
-X2N = _x2n_table()
+_X2N = _x2n_table()
 
 
 @lru_cache(maxsize=32)  # bounded: there are 32 of them
 def _power_tables(k: int) -> tuple[array, array, array, array]:
     """The map crc -> crc * x^(2^k) as one table per byte of the CRC (`k` modulo 32)."""
-    column, columns = X2N[k % 32], [0] * 32
+    column, columns = _X2N[k % 32], [0] * 32
     for bit in range(31, -1, -1):  # bit 31 is x^0: its image is x^(2^k) itself; bit j-1's is bit j's times x
         columns[bit] = column
         column = _times_x(column)
@@ -206,7 +206,7 @@ class BlockCrcs:
                 continue
             crc, plain = zlib.crc32(data), None
             with self.lock:
-                know_crc(tag[0], tag[1], data, crc)
+                _know_crc(tag[0], tag[1], data, crc)
             pieces.append([nbytes, crc])
         return pieces
 
@@ -216,7 +216,7 @@ class BlockCrcs:
                 self.crc = crc32_combine(self.crc, crc, nbytes)
 
 
-def know_crc(segments: Segments, start: int, data: memoryview, crc: int) -> None:
+def _know_crc(segments: Segments, start: int, data: memoryview, crc: int) -> None:
     """Keep `crc`, the CRC-32 of `data`, a checked source's bytes from `start`, for the parts not yet known."""
     pieces = segments.split(start, start + len(data))
     if len(pieces) == 1 and not pieces[0][2]:

@@ -31,7 +31,7 @@ from ..read.quant import MXFP4_BLOCK, QuantizedTensor
 
 SLAB_BYTES = 32 << 20  # output bytes computed at once; the source rows and lookup indices add about 3x that
 # e2m1, indexed by the 4-bit code (sign in the high bit), as transformers' FP4_VALUES
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def torch_dtype(dtype: str):
@@ -192,7 +192,7 @@ class Dequantizer:
         import torch
 
         if self._mxfp4_table is None:
-            values = torch.tensor(E2M1_VALUES, dtype=torch.bfloat16).repeat(256, 1)  # [scale, code]
+            values = torch.tensor(_E2M1_VALUES, dtype=torch.bfloat16).repeat(256, 1)  # [scale, code]
             exponents = (torch.arange(256, dtype=torch.int32) - 127)[:, None]
             torch.ldexp(values, exponents, out=values)
             bits = values.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)  # [256, 16]

@@ -8,7 +8,7 @@ page cache, 1.7 s direct. The engine takes this path only for a job larger than 
 pages (the engine decides, from its `planned_bytes`): a smaller one is faster through it.
 
 The engine (`reshard.runs.engine`) reads the source into the current block through `space`/`advance`; a full block
-goes to one of `WRITERS` threads, which computes its CRC-32s and writes it (zlib and pwrite release the GIL: the
+goes to one of `_WRITERS` threads, which computes its CRC-32s and writes it (zlib and pwrite release the GIL: the
 CRC-32s use both cores, and the disk has several requests at once), while the engine reads the next block into
 another of the `WRITERS + 1` buffers. The last block is padded with zeros to the alignment and the file cut back to
 its size. Where the file system refuses direct I/O (tmpfs, some FUSE and network file systems), `DirectOutput.start`
@@ -28,16 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 BLOCK_BYTES = 8 << 20  # a multiple of ALIGN; 8 and 16 MiB measured alike: 8 MiB x (WRITERS + 1) is 40 MiB of RAM
 ALIGN = 4096  # offsets, lengths and buffer addresses of direct writes: a page, which covers 512 B and 4 KiB sectors
 MIN_FILE_BYTES = 64 << 20  # smaller files stay in the page cache: their cost is the file, not its bytes
-WRITERS = 4  # direct writes in flight at once: a 7.76 GB merge took 6.7-7.0 s with 4, 7.2-7.9 s with 2
+_WRITERS = 4  # direct writes in flight at once: a 7.76 GB merge took 6.7-7.0 s with 4, 7.2-7.9 s with 2
 
 
 class BlockRing:
     """The page-aligned buffers (anonymous maps) and the writer threads an engine's direct outputs share."""
 
     def __init__(self):
-        self.maps = [mmap.mmap(-1, BLOCK_BYTES) for _ in range(WRITERS + 1)]
+        self.maps = [mmap.mmap(-1, BLOCK_BYTES) for _ in range(_WRITERS + 1)]
         self.views = [memoryview(m) for m in self.maps]
-        self.pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="reshard-write")
+        self.pool = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="reshard-write")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

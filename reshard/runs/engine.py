@@ -34,8 +34,8 @@ from .fetch import fill_fetched
 from .source_check import SourceCrcs
 
 COPY_BUFFER_BYTES = 1 << 20  # 1 MiB: measured as fast as `cp` in the fallback loop; 16 MiB was 2.5x slower
-SMALL_RUN_BYTES = 16 << 10  # up to this, a second CRC-32 pass over a run costs less than combining CRC-32s
-INLINE_CRC_BYTES = 1 << 16  # a file with at most this much data gets its CRC-32 in the writing thread
+_SMALL_RUN_BYTES = 16 << 10  # up to this, a second CRC-32 pass over a run costs less than combining CRC-32s
+_INLINE_CRC_BYTES = 1 << 16  # a file with at most this much data gets its CRC-32 in the writing thread
 
 
 def _short_read(run: Run, done: int) -> OutputError:
@@ -197,7 +197,7 @@ class Engine:
         for run in runs:
             self._fd(run.file)  # open in this thread: the dicts are not shared while the job runs
         known = {run.file: self.source_crcs.segments(run.file) for run in runs}
-        if sum(run.nbytes for run in runs) <= INLINE_CRC_BYTES and not any(known.values()):
+        if sum(run.nbytes for run in runs) <= _INLINE_CRC_BYTES and not any(known.values()):
             done: Future = Future()
             done.set_result(self._crc(header, runs, memoryview(self.buffer), known))
             return done
@@ -210,7 +210,7 @@ class Engine:
         for run in runs:
             if known[run.file] is None:
                 crc = self._read_crc(run, run.src, run.nbytes, view, crc)
-            elif run.nbytes <= SMALL_RUN_BYTES:
+            elif run.nbytes <= _SMALL_RUN_BYTES:
                 crc = self._small_run_crc(run, known[run.file], view, crc)
             else:
                 crc = crc32_combine(crc, self._run_crc(run, known[run.file], view), run.nbytes)

@@ -5,7 +5,7 @@ remote source may need thousands, one per expert row block. The output files of 
 source range that several of them share (the rows of one expert tensor, split over the FSDP ranks) is requested once
 and its pieces written into each file: the source is read front to back, as a plain sequential download would, not
 once per output file in small pieces. Sorted by source offset, the runs that lie
-close together (gaps of at most `GAP` bytes and a quarter of the bytes the request serves, or of `MIN_GAP`) are
+close together (gaps of at most `_GAP` bytes and a quarter of the bytes the request serves, or of `_MIN_GAP`) are
 fetched in one request of at most `RANGE` bytes, `DEPTH` in flight while one is written, each read into a buffer
 kept for the next, and written where it belongs. Memory holds `DEPTH + 1` ranges, never a tensor. The output
 CRC-32 is combined from each run's own CRC-32 in output order (`crc32_combine`), since the runs arrive in source
@@ -24,19 +24,19 @@ from ..syscalls import Writeback
 from .byte_runs import Run
 from .crc import crc32_combine
 
-GAP = 1 << 20  # bytes of a gap read and dropped rather than paid as another request (a request costs ~ms)
-MIN_GAP = 64 << 10  # a gap this small is always read: next to a request's latency its bytes cost nothing
+_GAP = 1 << 20  # bytes of a gap read and dropped rather than paid as another request (a request costs ~ms)
+_MIN_GAP = 64 << 10  # a gap this small is always read: next to a request's latency its bytes cost nothing
 
 
 @dataclass(frozen=True)
-class OutputRun(Run):
+class _OutputRun(Run):
     """A run of output file number `out` among the files filled together."""
 
     out: int = 0
 
 
 @dataclass(frozen=True)
-class Span:
+class _Span:
     """One ranged request: `[start, start + length)` of `file`, and the runs it serves (sorted by source offset)."""
 
     file: str
@@ -45,20 +45,20 @@ class Span:
     runs: tuple[Run, ...]
 
 
-def spans(runs: list[Run], *, gap: int = GAP, block: int = RANGE) -> list[Span]:
+def spans(runs: list[Run], *, gap: int = _GAP, block: int = RANGE) -> list[_Span]:
     """The requests that serve `runs`: per file, in source order, neighbours joined across a gap of at most `gap`
     bytes and a quarter of the bytes served so far, while the request stays within `block` bytes; a run longer than
     `block` is served in pieces of `block` bytes."""
     pieces = [r if r.nbytes <= block else replace(r, src=r.src + o, dst=r.dst + o, nbytes=min(block, r.nbytes - o))
               for r in runs for o in range(0, r.nbytes, block)]
-    out: list[Span] = []
+    out: list[_Span] = []
     current: list[Run] = []
     useful = 0
     for run in sorted(pieces, key=lambda r: (r.file, r.src)):
         if current:
             first, end = current[0], max(r.src + r.nbytes for r in current)
             # a gap is read while it stays small next to what the request serves (at most a fifth wasted), or tiny
-            if (run.file != first.file or run.src - end > max(MIN_GAP, min(gap, useful // 4))
+            if (run.file != first.file or run.src - end > max(_MIN_GAP, min(gap, useful // 4))
                     or run.src + run.nbytes - first.src > block):
                 out.append(_span(current))
                 current, useful = [], 0
@@ -69,9 +69,9 @@ def spans(runs: list[Run], *, gap: int = GAP, block: int = RANGE) -> list[Span]:
     return out
 
 
-def _span(runs: list[Run]) -> Span:
+def _span(runs: list[Run]) -> _Span:
     start = runs[0].src
-    return Span(runs[0].file, start, max(r.src + r.nbytes for r in runs) - start, tuple(runs))
+    return _Span(runs[0].file, start, max(r.src + r.nbytes for r in runs) - start, tuple(runs))
 
 
 def fill_fetched(engine, outputs: list[tuple[int, bytes, list[Run]]]) -> list[int]:
@@ -85,10 +85,10 @@ def fill_fetched(engine, outputs: list[tuple[int, bytes, list[Run]]]) -> list[in
     of at most `RANGE` bytes, are the engine's, kept from call to call (their pages fault in once). A failure
     cancels the requests not started and waits for the others: nothing is left running."""
     store = engine.index.store
-    tagged: list[OutputRun] = []
+    tagged: list[_OutputRun] = []
     for out, (fd, header, runs) in enumerate(outputs):
         _pwrite_all(fd, header, 0)
-        tagged += [OutputRun(r.file, r.src, r.dst, r.nbytes, out) for r in runs]
+        tagged += [_OutputRun(r.file, r.src, r.dst, r.nbytes, out) for r in runs]
     crcs: list[dict[int, tuple[int, int]]] = [{} for _ in outputs]
     writebacks = [Writeback(fd) for fd, _, _ in outputs]
     requests = spans(tagged, block=RANGE)
@@ -96,7 +96,7 @@ def fill_fetched(engine, outputs: list[tuple[int, bytes, list[Run]]]) -> list[in
     buffers = [_buffer(engine, slot, max(r.length for r in requests[slot::slots])) for slot in range(slots)]
     pool = ThreadPoolExecutor(max_workers=DEPTH, thread_name_prefix="reshard-fetch")
 
-    def fetched(span: Span, view: memoryview) -> list[int]:  # on a fetch thread: the runs' CRC-32s as well
+    def fetched(span: _Span, view: memoryview) -> list[int]:  # on a fetch thread: the runs' CRC-32s as well
         store.readinto(span.file, span.start, view)
         return [zlib.crc32(view[run.src - span.start:run.src - span.start + run.nbytes]) for run in span.runs]
 

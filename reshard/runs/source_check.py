@@ -23,7 +23,7 @@ from ..errors import CheckpointError
 from ..read.store import READ_BLOCK
 from .crc import Disagreement, Segments, whole_file_crc
 
-CHECK_BUFFER_BYTES = 1 << 20  # one reused 1 MiB buffer for the bytes no writer read
+_CHECK_BUFFER_BYTES = 1 << 20  # one reused 1 MiB buffer for the bytes no writer read
 
 
 class SourceCrcs:
@@ -100,7 +100,7 @@ class SourceCrcs:
 def _reader(store, file: str):
     """`(offset, length) -> CRC-32` of `file`'s bytes there, read through its store a buffer at a time (a request
     at a time from a remote one)."""
-    view = memoryview(bytearray(READ_BLOCK if store.remote else CHECK_BUFFER_BYTES))
+    view = memoryview(bytearray(READ_BLOCK if store.remote else _CHECK_BUFFER_BYTES))
 
     def read_crc(offset: int, length: int) -> int:
         crc, done = 0, 0

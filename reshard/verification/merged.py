@@ -24,7 +24,8 @@ def check_merged(location, *, against=None, revision: str | None = None, progres
     checkpoint), the key set is the source's on-disk one (`--layout original`) or its in-memory names (`fused`): the
     one the index records, when `reshard merge` wrote it (`MergeIndex.layout`), and every in-memory tensor, read
     through each side's own key mapping, equals the source's byte for byte."""
-    result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0, kind=Checked.MERGED)
+    result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0,
+                          kind=Checked.MERGED)
     try:
         dest = open_to_check(location.spec).index
     except ReshardError as e:

@@ -6,7 +6,7 @@ the commit marker last (`reshard.json` for a write; `config.json` and the index 
 prefix without it as unfinished. Each output file is written by the one path every file takes
 (`reshard.write.files`), into a local spool folder, and, once whole, sent as one multipart upload in parts of
 `PART_BYTES`, `PARTS_IN_FLIGHT` at once, while the next file is filled; its spool copy is then removed. So the local
-disk holds at most the file being filled and `FILES_QUEUED` + 1 being sent, and memory the parts in flight.
+disk holds at most the file being filled and `_FILES_QUEUED` + 1 being sent, and memory the parts in flight.
 
 Every request is retried `ATTEMPTS` times on a transient error (a 5xx, a reset, a timeout), then its error names the
 URL, the part and the attempts. A failure or an interruption aborts every upload started and removes every object
@@ -37,20 +37,20 @@ from . import files
 # S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold. RESHARD_S3_PART_MIB sets
 # another (5 at least): smaller parts spread a merge across nodes more evenly (`reshard.write.spread`)
 PART_BYTES = max(5, int(os.environ.get("RESHARD_S3_PART_MIB") or 16)) << 20
-MAX_PARTS = 10_000  # S3's limit per upload: a larger file gets larger parts
+_MAX_PARTS = 10_000  # S3's limit per upload: a larger file gets larger parts
 PARTS_IN_FLIGHT = 4
-FILES_QUEUED = 1  # whole files waiting in the spool while the next is filled
-MARKERS = (MANIFEST_NAME, INDEX_NAME, "config.json")  # what tells a reader a prefix holds a checkpoint
+_FILES_QUEUED = 1  # whole files waiting in the spool while the next is filled
+_MARKERS = (MANIFEST_NAME, INDEX_NAME, "config.json")  # what tells a reader a prefix holds a checkpoint
 PROBE = ".reshard-write-check"  # the key a write-permission check opens (and aborts) an upload for
 
 
 def part_bytes(size: int) -> int:
-    """The part size for a file of `size` bytes: `PART_BYTES`, or larger (MiB-aligned) to stay within `MAX_PARTS`."""
-    least = -(-size // MAX_PARTS)
+    """The part size for a file of `size` bytes: `PART_BYTES`, or larger (MiB-aligned) to stay within `_MAX_PARTS`."""
+    least = -(-size // _MAX_PARTS)
     return max(PART_BYTES, -(-least // (1 << 20)) << 20)
 
 
-def retried(error: BaseException) -> bool:
+def _retried(error: BaseException) -> bool:
     """Whether a failed request is tried again: a transient failure (`reshard.read.remote.transient`), but not an
     answer s3fs turned into an `OSError` with a code (EINVAL: a part too small, an upload unknown; EACCES)."""
     if type(error) is OSError and error.errno in (errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT):
@@ -96,7 +96,7 @@ class Bucket:
                 return self.fs.call_s3(operation, Bucket=self.name, **params)
             except Exception as e:  # noqa: BLE001  botocore and s3fs raise many unrelated types
                 last = e
-                if not retried(e) or attempt == attempts or self.stop.is_set():
+                if not _retried(e) or attempt == attempts or self.stop.is_set():
                     break
                 time.sleep(delay)
                 delay *= 2
@@ -153,7 +153,7 @@ def refuse_occupied(bucket: Bucket, existing: dict[str, int], overwrite: bool) -
         raise OutputError(f"{bucket.url} already holds {plural(len(existing), 'object')}. Pass --overwrite to replace "
                           "it (only a prefix holding a checkpoint is replaced), or choose another prefix. Nothing "
                           "was read or written.")
-    if not any(name in existing for name in MARKERS[:2]):
+    if not any(name in existing for name in _MARKERS[:2]):
         shown = ", ".join(sorted(existing)[:5])
         raise OutputError(f"{bucket.url}: --overwrite replaces only a prefix holding a checkpoint ({MANIFEST_NAME} or "
                           f"{INDEX_NAME}), and it holds {shown}. Nothing was changed. Choose another prefix.")
@@ -186,8 +186,8 @@ class Uploads:
             shutil.rmtree(self.spool, ignore_errors=True)
 
     def send_later(self, path: Path) -> None:
-        """Send the whole file `path` in the background; wait first while `FILES_QUEUED` others wait in the spool."""
-        while len(self.sending) > FILES_QUEUED:
+        """Send the whole file `path` in the background; wait first while `_FILES_QUEUED` others wait in the spool."""
+        while len(self.sending) > _FILES_QUEUED:
             self.sending.popleft().result()
         upload = self.open_upload(path.name)
         self.sending.append(self.file_pool.submit(self.send, path, upload))
@@ -291,7 +291,7 @@ class BucketOutput:
     def claim(self, needed: int) -> None:
         """With `--overwrite`, the old checkpoint's markers go before any new byte is sent."""
         self.total = needed
-        for name in MARKERS:
+        for name in _MARKERS:
             if name in self.existing:
                 self.bucket.call("removing the old marker", name, "delete_object", Key=self.bucket.key(name))
 
@@ -329,7 +329,7 @@ class BucketOutput:
     def adopt(self, records: dict[str, tuple[str, list[dict]]]) -> None:
         """Take over the open uploads another process sent (`Uploads.wait`): completed or aborted here. Several
         processes may send parts of one upload (a merge across nodes, `reshard.write.spread`): their parts join."""
-        self.adopted = joined_records(self.adopted, records)
+        self.adopted = _joined_records(self.adopted, records)
 
     def complete(self) -> None:
         """Send what the spool still holds (the metadata, and the files `--workers` wrote), complete every upload,
@@ -343,7 +343,7 @@ class BucketOutput:
                 self.uploads.send(spool / name, self.uploads.open_upload(name))
             else:
                 self.put(name)
-        for name, (upload, parts) in sorted(joined_records(self.adopted, self.uploads.wait()).items()):
+        for name, (upload, parts) in sorted(_joined_records(self.adopted, self.uploads.wait()).items()):
             self.bucket.call("completing the upload", name, "complete_multipart_upload", Key=self.bucket.key(name),
                              UploadId=upload, MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])})
             self.adopted.pop(name, None)
@@ -384,7 +384,7 @@ class BucketOutput:
                                  Key=self.bucket.key(name))
             except OutputError:
                 failed.append(name)
-        note = removal_text(self.out, uploads, self.completed, failed)
+        note = _removal_text(self.out, uploads, self.completed, failed)
         self.completed = []
         if interrupted is not None:
             interrupted.notes = (*getattr(interrupted, "notes", ()), note)
@@ -394,7 +394,7 @@ class BucketOutput:
         return e if isinstance(e, OutputError) else OutputError(f"{self.out}: write failed ({e}); nothing was kept.")
 
 
-def joined_records(*records: dict[str, tuple[str, list[dict]]]) -> dict[str, tuple[str, list[dict]]]:
+def _joined_records(*records: dict[str, tuple[str, list[dict]]]) -> dict[str, tuple[str, list[dict]]]:
     """Open uploads by name, `(upload id, parts)`, from several processes: one upload's parts from each joined."""
     joined: dict[str, tuple[str, list[dict]]] = {}
     for record in records:
@@ -404,7 +404,7 @@ def joined_records(*records: dict[str, tuple[str, list[dict]]]) -> dict[str, tup
     return joined
 
 
-def removal_text(out: str, uploads: dict, completed: list, failed: list) -> str:
+def _removal_text(out: str, uploads: dict, completed: list, failed: list) -> str:
     """What discarding a write to `out` removed, and what it could not."""
     done = [f"aborted {plural(len(uploads), 'multipart upload')}"]
     if uploads:

@@ -5,7 +5,7 @@ The ranks are grouped by node (torchrun's `GROUP_RANK`, else the host name). Sha
 (`reshard.write.staged.StagedOutput`: the lock, the checks, the temporary folder on the shared file system) and every
 rank writes a share of the units (`reshard.write.workers.assign_shares`, the same on every rank); node-local, the
 lowest rank of each node claims OUT on that node's disk, and the node's ranks write a share of the units its ranks
-load (`OutputJob.for_node`). Each rank builds the job from its own node's SRC. The file entries are gathered over a
+load (`_OutputJob.for_node`). Each rank builds the job from its own node's SRC. The file entries are gathered over a
 gloo process group (`reshard.launch.gloo_group`) with the CRC-32s of the source ranges each rank read; each claimer
 checks the source files from them (`reshard.runs.source_check`) and completes its folder. Shared, the others wait
 for rank 0's outcome; node-local, every claimer first reports that its folder is ready, and only then do they swap
@@ -40,7 +40,7 @@ def write_distributed(read_job, out, *, overwrite: bool = False, progress: bool 
     """Run an output job as one rank of a distributed job: every rank of the job calls this with the same arguments.
 
     Args:
-        read_job: reads SRC on this rank's node and builds the job (`reshard.write.output.OutputJob`): `() -> job`;
+        read_job: reads SRC on this rank's node and builds the job (`reshard.write.output._OutputJob`): `() -> job`;
             its errors are agreed like any other rank failure.
         out: the output folder: on a file system every rank sees at the same path, or, `node_local`, on each node's
             own disk at the same path.
@@ -241,7 +241,8 @@ class _Rank:
                 differs = ", ".join(k for k in reference if reference[k] != other[k])
                 problems[r] = (f"its {differs} differ from rank 0's: every rank needs the same command line and the "
                                "same checkpoint at the same path")
-        if (failure := agreed(problems, "cannot write", hint="" if self.node_local else self.nodes.node_local_hint(problems))) is not None:
+        hint = "" if self.node_local else self.nodes.node_local_hint(problems)
+        if (failure := agreed(problems, "cannot write", hint=hint)) is not None:
             self.agreed = True
             raise failure
 

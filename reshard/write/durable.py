@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..syscalls import libc_function
 
-SYNCFS_FROM_FILES = 64  # from this many files, one syncfs makes them durable (see `fsync_files`)
+_SYNCFS_FROM_FILES = 64  # from this many files, one syncfs makes them durable (see `fsync_files`)
 
 
 def fsync_files(folder: Path) -> None:
@@ -23,7 +23,7 @@ def fsync_files(folder: Path) -> None:
     many files (one per coordinate of a large mesh), one `syncfs` of their file system (Linux): the same durability
     in one journal commit. Measured on ext4: 20,000 files of 2.4 KB took 9.2 s to fsync one by one, 0.4 s so."""
     paths = list(folder.rglob("*"))
-    if len(paths) >= SYNCFS_FROM_FILES and (syncfs := libc_function("syncfs", ctypes.c_int)) is not None:
+    if len(paths) >= _SYNCFS_FROM_FILES and (syncfs := libc_function("syncfs", ctypes.c_int)) is not None:
         fd = os.open(folder, os.O_RDONLY)
         try:
             if syncfs(fd) != 0:

@@ -56,14 +56,14 @@ def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata
 
 
 # Files of a remote source filled together (`Engine.fill_together`): each holds a descriptor while the group is filled.
-FILES_AT_ONCE = 64
+_FILES_AT_ONCE = 64
 
 
 def files_at_once(engine: Engine, folder: Path) -> int:
-    """How many files written into `folder` the engine fills together: from a remote source, `FILES_AT_ONCE` (each
+    """How many files written into `folder` the engine fills together: from a remote source, `_FILES_AT_ONCE` (each
     source range is then fetched once for them all); one at a time from a local source, whose kernel copy gains
     nothing, and into a bucket output's spool, which sends each file as soon as it is whole."""
-    return FILES_AT_ONCE if engine.fetches and folder not in finished_hooks else 1
+    return _FILES_AT_ONCE if engine.fetches and folder not in finished_hooks else 1
 
 
 def write_safetensors_together(files: list[tuple[Path, bytes, list]], engine: Engine, *,

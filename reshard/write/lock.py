@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import OutputError
 
-LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
+_LOCK_MARK = ".reshard-lock"  # `.OUT.reshard-lock`: held (flock) by the one write to OUT, holds "host pid"
 
 
 def _open_lock(path: Path, out: Path) -> int:
@@ -54,7 +54,7 @@ def write_lock(out: Path):
     Raises:
         OutputError: another write to `out` holds it (naming its host and pid), or no lock can be taken there.
     """
-    path = out.parent / f".{out.name}{LOCK_MARK}"
+    path = out.parent / f".{out.name}{_LOCK_MARK}"
     fd = _open_lock(path, out)
     try:
         os.ftruncate(fd, 0)

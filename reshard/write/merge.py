@@ -39,11 +39,11 @@ from .output import headers_digest
 from .staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, staged_output
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
-MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
+_MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
 
 
 @dataclass(frozen=True)
-class OutputTensor:
+class _OutputTensor:
     """One tensor of the merged checkpoint: a box of an in-memory tensor, under its output key.
 
     Attributes:
@@ -72,7 +72,7 @@ def _natural_key(key: str):
 
 
 def merge_tensors(index: DcpIndex, layout: ModelLayout, *, layout_mode: MergeLayout | str = MergeLayout.ORIGINAL
-                  ) -> list[OutputTensor]:
+                  ) -> list[_OutputTensor]:
     """The output tensors, in natural key order: the model's tensors named as `layout_mode` names them
     (`OUTPUT_NAMES`), then the tensors the model does not load, back under their own keys.
 
@@ -87,18 +87,18 @@ def merge_tensors(index: DcpIndex, layout: ModelLayout, *, layout_mode: MergeLay
             raise CheckpointError(f"{index.source}: {t.name} is both a tensor of the model and one it does not load "
                                   "(an extra); the extras would overwrite a trained tensor. Nothing was written.",
                                   path=index.source)
-        out.append(OutputTensor(t.name, t.shape, t, tuple((0, n) for n in t.shape)))
+        out.append(_OutputTensor(t.name, t.shape, t, tuple((0, n) for n in t.shape)))
     out.sort(key=lambda t: _natural_key(t.key))
     return out
 
 
-def _fused_names(index: DcpIndex, layout: ModelLayout) -> list[OutputTensor]:
+def _fused_names(index: DcpIndex, layout: ModelLayout) -> list[_OutputTensor]:
     """Every in-memory tensor whole under its own name (tied copies once)."""
-    return [OutputTensor(t.name, t.shape, t, tuple((0, n) for n in t.shape)) for t in layout.tensors
+    return [_OutputTensor(t.name, t.shape, t, tuple((0, n) for n in t.shape)) for t in layout.tensors
             if t.name not in index.tied]
 
 
-def _original_names(index: DcpIndex, layout: ModelLayout) -> list[OutputTensor]:
+def _original_names(index: DcpIndex, layout: ModelLayout) -> list[_OutputTensor]:
     """The source checkpoint's on-disk keys, each a box of the in-memory tensor it was composed into."""
     if index.original is None:
         raise CheckpointError(f"{index.source}: the source's on-disk layout is unknown: {index.original_error}. "
@@ -120,7 +120,7 @@ def _original_names(index: DcpIndex, layout: ModelLayout) -> list[OutputTensor]:
             if len(box) != len(target.shape) or any(o + n > s for (o, n), s in zip(box, target.shape)):
                 raise CheckpointError(f"{index.source}: the recorded {key} {list(shape)} at {list(offset)} does "
                                       f"not fit {name} {list(target.shape)}. Nothing was written.", path=index.source)
-            out.append(OutputTensor(key, tuple(shape), target, box))
+            out.append(_OutputTensor(key, tuple(shape), target, box))
     return out
 
 
@@ -130,24 +130,24 @@ OUTPUT_NAMES = {MergeLayout.ORIGINAL: _original_names, MergeLayout.FUSED: _fused
 
 
 # config.json fields a training run or a re-save may change without changing the model (`--extras-from`'s check)
-CONFIG_FIELDS_NOT_COMPARED = frozenset({"transformers_version", "dtype", "torch_dtype", "use_cache", "_name_or_path",
+_CONFIG_FIELDS_NOT_COMPARED = frozenset({"transformers_version", "dtype", "torch_dtype", "use_cache", "_name_or_path",
                                         "quantization_config"})
 
 
-EXTRAS_FROM = "extras-from/"  # the `--extras-from` source's file names inside the merged index
+_EXTRAS_FROM = "extras-from/"  # the `--extras-from` source's file names inside the merged index
 
 
-def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIndex, ModelLayout]:
-    """`index` and `layout` of a trained folder, plus the extras of `other` (a `Source`): the reshard folder or HF
+def _with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIndex, ModelLayout]:
+    """`index` and `layout` of a trained folder, plus the extras of `other` (a `_Source`): the reshard folder or HF
     checkpoint the training started from (a folder saved with `save_pretrained(..., distributed_checkpoint=True)`
     holds only the tensors the model loads).
 
     The two become one source: `other`'s files are read through one store with the trained folder's, under the
-    prefix `EXTRAS_FROM` (`reshard.read.joined.JoinedStore`), and a reshard folder's CRC-32s still check them.
+    prefix `_EXTRAS_FROM` (`reshard.read.joined.JoinedStore`), and a reshard folder's CRC-32s still check them.
 
     Raises:
         UsageError: `other` is quantized (its extras are not bf16 bytes), holds no extras, or is another model (a
-            `config.json` field both have differs, beyond `CONFIG_FIELDS_NOT_COMPARED`), or the trained folder already
+            `config.json` field both have differs, beyond `_CONFIG_FIELDS_NOT_COMPARED`), or the trained folder already
             has extras.
     """
     from dataclasses import replace
@@ -164,7 +164,7 @@ def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIn
                          "of the trained model. Pass the reshard folder written from it with --dequantize bf16. "
                          "Nothing was written.")
     source, other_layout = other.index, other.model_layout()
-    differ = sorted(k for k in set(index.config) & set(source.config) - CONFIG_FIELDS_NOT_COMPARED
+    differ = sorted(k for k in set(index.config) & set(source.config) - _CONFIG_FIELDS_NOT_COMPARED
                     if index.config[k] != source.config[k])
     if not source.config.get("model_type") or differ:
         shown = ", ".join(f"{k}: {source.config[k]!r} there, {index.config[k]!r} here" for k in differ[:3])
@@ -177,14 +177,14 @@ def with_extras_from(index: DcpIndex, layout: ModelLayout, other) -> tuple[DcpIn
     for t in other_layout.extras:
         entry = source.tensors[t.pieces[0].source]
         key = f"<extras-from>:{entry.name}"
-        entries[key] = replace(entry, name=key, file=EXTRAS_FROM + entry.file)
+        entries[key] = replace(entry, name=key, file=_EXTRAS_FROM + entry.file)
         extras.append(replace(t, pieces=(replace(t.pieces[0], source=key),)))
     files = {e.file for e in entries.values()}
-    crc32 = {EXTRAS_FROM + name: crc for name, crc in (source.crc32 or {}).items()}
-    merged = replace(index, store=JoinedStore(index.store, EXTRAS_FROM, source.store),
+    crc32 = {_EXTRAS_FROM + name: crc for name, crc in (source.crc32 or {}).items()}
+    merged = replace(index, store=JoinedStore(index.store, _EXTRAS_FROM, source.store),
                      tensors={**index.tensors, **entries},
-                     files=(*index.files, *(replace(h, name=EXTRAS_FROM + h.name) for h in source.files
-                                            if EXTRAS_FROM + h.name in files)),
+                     files=(*index.files, *(replace(h, name=_EXTRAS_FROM + h.name) for h in source.files
+                                            if _EXTRAS_FROM + h.name in files)),
                      crc32={**(index.crc32 or {}), **crc32} if (index.crc32 or crc32) else None)
     return merged, replace(layout, ignored_sources=tuple(t.name for t in extras), extras=tuple(extras))
 
@@ -208,7 +208,7 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
             "back")
 
 
-def not_a_merge_output(out: Path) -> str | None:
+def _not_a_merge_output(out: Path) -> str | None:
     """Why `out` may not be replaced by a merge, or None: empty, a complete merge output, or a reshard output."""
     if not out.is_dir():
         return "it is not a folder"
@@ -230,12 +230,12 @@ def not_a_merge_output(out: Path) -> str | None:
     return None
 
 
-MERGE_OUTPUT = ReplaceRule(not_a_merge_output, "a complete merge or reshard output")
+_MERGE_OUTPUT = ReplaceRule(_not_a_merge_output, "a complete merge or reshard output")
 
 
 @dataclass(frozen=True)
 class MergeJob:
-    """A `merge` as an output job (`reshard.write.output.OutputJob`): its units are the output files.
+    """A `merge` as an output job (`reshard.write.output._OutputJob`): its units are the output files.
 
     Attributes:
         index, layout: the source (a reshard or saved folder, with any `--extras-from` tensors joined in).
@@ -247,7 +247,7 @@ class MergeJob:
 
     index: DcpIndex
     layout: ModelLayout
-    parts: tuple[tuple[OutputTensor, ...], ...]
+    parts: tuple[tuple[_OutputTensor, ...], ...]
     layout_mode: MergeLayout
     max_shard_size: int | None
     extras_from: str | None = None
@@ -257,7 +257,7 @@ class MergeJob:
 
     @cached_property
     def names(self) -> list[str]:
-        return [MERGE_FILE.format(part=i + 1, parts=len(self.parts)) for i in range(len(self.parts))]
+        return [_MERGE_FILE.format(part=i + 1, parts=len(self.parts)) for i in range(len(self.parts))]
 
     @cached_property
     def unit_sizes(self) -> list[int]:
@@ -272,7 +272,7 @@ class MergeJob:
         return [name for name in self.index.other_files if name not in self.names and name != INDEX_NAME]
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
-        return staged_output(out, overwrite, self.index, rule=MERGE_OUTPUT, markers=("config.json", INDEX_NAME))
+        return staged_output(out, overwrite, self.index, rule=_MERGE_OUTPUT, markers=("config.json", INDEX_NAME))
 
     def needed_bytes(self) -> int:
         return sum(self.unit_sizes) + sum(self.index.store.size(name) for name in self.copied)
@@ -333,8 +333,8 @@ class MergeJob:
 
 def merge_job(source, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
               layout: MergeLayout | str = MergeLayout.ORIGINAL, extras_from=None) -> MergeJob:
-    """Plan the merge of `source` (a `reshard.read.source.Source`: a reshard or saved folder), with the tensors the
-    model does not load taken from `extras_from` (a `Source`, or None); checked before anything is written.
+    """Plan the merge of `source` (a `reshard.read.source._Source`: a reshard or saved folder), with the tensors the
+    model does not load taken from `extras_from` (a `_Source`, or None); checked before anything is written.
 
     Raises:
         CheckpointError: `source` is a checkpoint, not a folder in the distributed-checkpoint layout.
@@ -350,14 +350,14 @@ def merge_job(source, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
     index, model_layout = source.index, source.model_layout()
     checked = index.crc32 is not None
     if extras_from is not None:
-        index, model_layout = with_extras_from(index, model_layout, extras_from)
+        index, model_layout = _with_extras_from(index, model_layout, extras_from)
     tensors = merge_tensors(index, model_layout, layout_mode=layout)
     parts = split_parts(tensors, max_shard_size, nbytes=lambda t: t.nbytes)
     return MergeJob(index, model_layout, tuple(tuple(p) for p in parts), MergeLayout(layout), max_shard_size,
                     None if extras_from is None else extras_from.location.absolute, checked)
 
 
-def is_merged_folder(folder) -> bool:
+def _is_merged_folder(folder) -> bool:
     """Whether `folder` is a plain HF checkpoint (an index or `*.safetensors`, no reshard manifest): what `verify`
     checks as a merge output."""
     path = Path(folder)

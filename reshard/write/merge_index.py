@@ -1,7 +1,7 @@
 """`model.safetensors.index.json` of a merged folder, typed: written by `reshard merge`, parsed here in one place for
 `verify` and for `merge --overwrite` (`MergeIndex.from_document`).
 
-`reshard merge` records in `metadata` beside `total_size`: `written_by` (`MERGE_MARK`: a merge output, whose files
+`reshard merge` records in `metadata` beside `total_size`: `written_by` (`_MERGE_MARK`: a merge output, whose files
 `merge --overwrite` may replace), the `tool`, the `layout` the tensors are named in, the `copied` non-weight files and,
 with `--extras-from`, where the extras came from. An index another tool wrote (transformers' `save_pretrained`) has
 `total_size` and `weight_map` only; `written_by` is then None.
@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..plan.layout import MergeLayout
 from ..read.checkpoint import INDEX_NAME
 
-MERGE_MARK = "reshard merge"  # `metadata.written_by` of the index: tells a merge output from other folders
+_MERGE_MARK = "reshard merge"  # `metadata.written_by` of the index: tells a merge output from other folders
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class MergeIndex:
     Attributes:
         total_size: bytes of tensor data in the weight files (`metadata.total_size`).
         weight_map: key -> the file holding it.
-        written_by: `MERGE_MARK` for a merge output, or None (an index another tool wrote: the fields below are then
+        written_by: `_MERGE_MARK` for a merge output, or None (an index another tool wrote: the fields below are then
             empty).
         tool: `reshard X.Y.Z`, the merge's.
         layout: how the merge named the tensors (`original` or `fused`).
@@ -57,12 +57,12 @@ class MergeIndex:
                  extras_from: str | None, tool: str) -> "MergeIndex":
         """The index a merge writes for its output `files` (in file order)."""
         weight_map = {key: f.name for f in files for key in f.keys}
-        return cls(total_size, MappingProxyType(weight_map), MERGE_MARK, tool, layout, tuple(copied), extras_from)
+        return cls(total_size, MappingProxyType(weight_map), _MERGE_MARK, tool, layout, tuple(copied), extras_from)
 
     @property
     def merged(self) -> bool:
         """Whether `reshard merge` wrote it."""
-        return self.written_by == MERGE_MARK
+        return self.written_by == _MERGE_MARK
 
     def to_json(self) -> str:
         """The index as the merge writes it (its keys in this order, two-space indent, a trailing newline)."""
@@ -85,7 +85,7 @@ class MergeIndex:
             raise _problem("weight_map", "an object of key to file name")
         total_size = _field(metadata, "total_size", (int, float), "a size in bytes", where="metadata.")
         written_by = metadata.get("written_by")
-        if written_by != MERGE_MARK:
+        if written_by != _MERGE_MARK:
             return cls(total_size, MappingProxyType(weight_map), written_by if isinstance(written_by, str) else None)
         layout = _field(metadata, "layout", str, "original or fused", where="metadata.")
         if layout not in [m.value for m in MergeLayout]:
@@ -97,7 +97,7 @@ class MergeIndex:
         if extras_from is not None and not isinstance(extras_from, str):
             raise _problem("metadata.extras_from", "the --extras-from source, a path or URL", extras_from)
         tool = metadata.get("tool")
-        return cls(total_size, MappingProxyType(weight_map), MERGE_MARK, tool if isinstance(tool, str) else None,
+        return cls(total_size, MappingProxyType(weight_map), _MERGE_MARK, tool if isinstance(tool, str) else None,
                    MergeLayout(layout), tuple(copied), extras_from)
 
 

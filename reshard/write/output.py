@@ -21,7 +21,7 @@ from .staged import StagedOutput
 from .workers import default_workers, write_with_workers
 
 
-class OutputJob(Protocol):
+class _OutputJob(Protocol):
     """What a writer runs. It is pickled once for worker processes, and built on each rank of a distributed job.
 
     Attributes:
@@ -60,13 +60,13 @@ class OutputJob(Protocol):
 
 
 def progress_bar(total: int, progress: bool | None, command: str):
-    """A byte bar labelled `reshard COMMAND` (None: on a terminal, and lines on a pipe, `PipeLines`; False: never)."""
+    """A byte bar labelled `reshard COMMAND` (None: on a terminal, and lines on a pipe, `_PipeLines`; False: never)."""
     import sys
 
     from tqdm.auto import tqdm
 
     if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
-        return PipeLines(total, command)
+        return _PipeLines(total, command)
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"reshard {command}",
                 disable=None if progress is None else not progress)
 
@@ -83,7 +83,7 @@ def say(command: str, text: str, progress: bool | None) -> None:
 PIPE_EVERY_S = 5.0  # on a pipe, a long write says where it is this often: never a silent stretch longer than this
 
 
-class PipeLines:
+class _PipeLines:
     """The byte bar on a pipe (a log, `srun`, a torchrun job's output), where tqdm draws nothing: a line every
     `PIPE_EVERY_S` seconds while the files are written, and one when they are, so a long write is never silent; a
     write done within the first interval prints nothing. Same interface as the bar: `n`, `update`, `close`."""
@@ -123,7 +123,7 @@ class PipeLines:
 
 
 def headers_digest(index) -> str:
-    """One digest of SRC's safetensors headers (for `OutputJob.identity`: the ranks' sources must be the same)."""
+    """One digest of SRC's safetensors headers (for `_OutputJob.identity`: the ranks' sources must be the same)."""
     return hashlib.sha256(json.dumps([(f.name, f.digest) for f in index.files]).encode()).hexdigest()
 
 
@@ -132,7 +132,7 @@ def in_unit_order(pairs: list[tuple]) -> list:
     return [entry for _, entry in sorted(pairs, key=lambda pair: pair[0])]
 
 
-def write_output(job: OutputJob, out, *, overwrite: bool = False, progress: bool | None = None,
+def write_output(job: _OutputJob, out, *, overwrite: bool = False, progress: bool | None = None,
                  workers: int | None = 1):
     """Run `job` into the folder `out`: checked, locked, filled in a temporary folder, swapped in when complete.
 

@@ -26,19 +26,18 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import CheckpointError
-from ..manifest import MANIFEST_NAME, joined_copies
-from ..manifest.format import dump_manifest
+from ..manifest import MANIFEST_NAME, dump_manifest, joined_copies
 from ..read.content import sampled_crc
 from ..read.safetensors_header import json_document
 from ..read.store import HEADER_PROBE, READ_BLOCK, LocalStore, Store
 from .ranks import POLL_S, Agreed, Stopped
 
-WHOLE_LIMIT = 64 << 20  # a metadata file up to this size travels whole with the listing
-HEADER_LIMIT = 100 << 20  # safetensors' own bound on a header
+_WHOLE_LIMIT = 64 << 20  # a metadata file up to this size travels whole with the listing
+_HEADER_LIMIT = 100 << 20  # safetensors' own bound on a header
 REQUEST, DONE = 1, 2
 REPLY_S = 60.0  # a server that has not answered one block's request by then stopped serving: a deadlock
-REQUEST_TAG = 1  # a writer's request to a server; the replies to writer w use tags 2 + 2w (status) and 3 + 2w (bytes)
-FAILED = 1
+_REQUEST_TAG = 1  # a writer's request to a server; the replies to writer w use tags 2 + 2w (status) and 3 + 2w (bytes)
+_FAILED = 1
 
 
 @dataclass(frozen=True)
@@ -71,16 +70,16 @@ def survey(store: LocalStore) -> dict[str, tuple[int, bytes, str | None]]:
         if name.endswith(".safetensors"):
             length = int.from_bytes(store.read(name, 0, 8), "little") if size >= 8 else 0
             # as much as a remote header read asks for first (HEADER_PROBE), so reading SRC needs no request
-            head = store.read(name, 0, min(size, max(8 + min(length, HEADER_LIMIT), HEADER_PROBE)))
+            head = store.read(name, 0, min(size, max(8 + min(length, _HEADER_LIMIT), HEADER_PROBE)))
             tag = sampled_crc(store, name, 8 + length, size) if 8 + length <= size else None
             found[name] = (size, head, tag)
         else:
-            found[name] = (size, store.read(name, 0, size) if size <= WHOLE_LIMIT else b"", None)
+            found[name] = (size, store.read(name, 0, size) if size <= _WHOLE_LIMIT else b"", None)
     return found
 
 
 @dataclass(frozen=True)
-class Holding:
+class _Holding:
     """One file of the joined folder: its size, the bytes every rank has of it (a header, or the whole of a small
     file), the nodes whose disks hold it, and the first holder's tag of its data (`survey`)."""
 
@@ -90,7 +89,7 @@ class Holding:
     tag: str | None = None
 
 
-def catalog(surveys: list[dict | None], where: str, node_names=None) -> dict[str, Holding]:
+def catalog(surveys: list[dict | None], where: str, node_names=None) -> dict[str, _Holding]:
     """The joined folder from every node's `survey` (None for ranks that did not survey): each name once.
     `node_names(node)`: a node in words, for messages (`Nodes.name`; else `node N`).
 
@@ -98,7 +97,7 @@ def catalog(surveys: list[dict | None], where: str, node_names=None) -> dict[str
         CheckpointError: two nodes hold a file of one name with different sizes (copies of different folders).
         ManifestError: the nodes' manifests are of different writes or folders.
     """
-    files: dict[str, Holding] = {}
+    files: dict[str, _Holding] = {}
     manifests, holders = [], []
     for node, found in enumerate(s for s in surveys if s is not None):
         for name, (size, head, tag) in found.items():
@@ -112,10 +111,10 @@ def catalog(surveys: list[dict | None], where: str, node_names=None) -> dict[str
                 raise CheckpointError(f"{where}/{name}: {known.size} bytes on node {known.nodes[0]}, {size} on node "
                                       f"{node}: the nodes hold different files under one name. Make every copy the "
                                       "same. Nothing was written.", path=f"{where}/{name}")
-            files[name] = Holding(size, head, (known.nodes if known else ()) + (node,), known.tag if known else tag)
+            files[name] = _Holding(size, head, (known.nodes if known else ()) + (node,), known.tag if known else tag)
     if manifests:
         joined = dump_manifest(joined_copies(manifests, where, holders)).encode()
-        files[MANIFEST_NAME] = Holding(len(joined), joined, ())
+        files[MANIFEST_NAME] = _Holding(len(joined), joined, ())
     return files
 
 
@@ -132,7 +131,7 @@ class Peers:
         self.names: list[str] = []  # file ids: positions in the joined folder's sorted names
         self._lock = threading.Lock()  # one request in flight per process: bounded memory, replies in order
 
-    def server_for(self, holding: Holding) -> int:
+    def server_for(self, holding: _Holding) -> int:
         """The rank that serves a file to this writer: one of the first holding node's, spread over its ranks."""
         ranks = self.nodes.ranks[holding.nodes[0]]
         return ranks[self.writers.index(self.ranks.rank) % len(ranks)]
@@ -168,7 +167,7 @@ class Peers:
             raise Agreed(f"{self.ranks.gone or 'a rank of another node went away'} ({failure[0]}); every rank "
                          "stopped and nothing was kept.") from failure[0]
 
-    def fetch(self, name: str, holding: Holding, start: int, view: memoryview) -> None:
+    def fetch(self, name: str, holding: _Holding, start: int, view: memoryview) -> None:
         """Fill `view` with `name`'s bytes from `start`, from the node that holds it, a block at a time."""
         for offset in range(0, len(view), READ_BLOCK):
             if self.ranks.stop.is_set():
@@ -176,17 +175,17 @@ class Peers:
             part = view[offset:offset + READ_BLOCK]
             self._fetch_block(name, holding, start + offset, part)
 
-    def _fetch_block(self, name: str, holding: Holding, start: int, view: memoryview) -> None:
+    def _fetch_block(self, name: str, holding: _Holding, start: int, view: memoryview) -> None:
         torch, dist = self.torch, self.dist
         server = self.server_for(holding)
         tag = 2 + 2 * self.ranks.rank
         who = f"rank {server} on {self.nodes.name(self.nodes.of(server))}"
         with self._lock:
             request = torch.tensor([REQUEST, self.ranks.rank, self.names.index(name), start, len(view), tag])
-            self._wait(dist.isend(request, server, group=self.ranks.group, tag=REQUEST_TAG), who)
+            self._wait(dist.isend(request, server, group=self.ranks.group, tag=_REQUEST_TAG), who)
             status = torch.zeros(1, dtype=torch.int64)
             self._wait(dist.irecv(status, server, group=self.ranks.group, tag=tag), who)
-            if int(status[0]) == FAILED:
+            if int(status[0]) == _FAILED:
                 raise Stopped()  # the server announced why
             data = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
             self._wait(dist.irecv(data, server, group=self.ranks.group, tag=tag + 1), who)
@@ -197,7 +196,7 @@ class Peers:
         for server in self._others():
             try:
                 self._wait(dist.isend(torch.tensor([DONE, self.ranks.rank, 0, 0, 0, 0]), server,
-                                      group=self.ranks.group, tag=REQUEST_TAG),
+                                      group=self.ranks.group, tag=_REQUEST_TAG),
                            f"rank {server} on {self.nodes.name(self.nodes.of(server))}")
             except (Agreed, RuntimeError):
                 return  # a rank is gone: every rank stops on that
@@ -208,7 +207,7 @@ class Peers:
         mine = self.nodes.of(self.ranks.rank)
         return [r for r in range(self.ranks.world) if self.nodes.of(r) != mine]
 
-    def serve(self, files: dict[str, Holding]) -> str | None:
+    def serve(self, files: dict[str, _Holding]) -> str | None:
         """Serve this node's files until every writer is done; a failure to read one (announced to every rank so
         the writers stop) or None."""
         torch, dist = self.torch, self.dist
@@ -219,7 +218,7 @@ class Peers:
             while writers_left:
                 request = torch.zeros(6, dtype=torch.int64)
                 # a writer that fails still says done: only a rank gone ends this wait
-                self._wait(dist.irecv(request, None, group=self.ranks.group, tag=REQUEST_TAG))
+                self._wait(dist.irecv(request, None, group=self.ranks.group, tag=_REQUEST_TAG))
                 op, writer, file_id, start, length, tag = (int(v) for v in request)
                 if op == DONE:
                     writers_left.discard(writer)
@@ -238,7 +237,7 @@ class Peers:
         except (OSError, CheckpointError) as e:
             problem = f"{self.ranks.host}: cannot read {self.folder / name} to send it to node 0 ({e})"
             self.ranks.announce("stop", problem)
-        status = torch.tensor([FAILED if problem else 0])
+        status = torch.tensor([_FAILED if problem else 0])
         self._wait(dist.isend(status, writer, group=self.ranks.group, tag=tag))
         if problem is None:
             data = torch.frombuffer(view, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
@@ -251,7 +250,7 @@ class PeerStore(Store):
     (whose ranks serve in three rounds: while the writers read SRC, while they write, and while rank 0 finishes
     DEST and checks the source files' CRC-32s)."""
 
-    def __init__(self, files: dict[str, Holding], local: LocalStore, node: int, nodes, spec: str,
+    def __init__(self, files: dict[str, _Holding], local: LocalStore, node: int, nodes, spec: str,
                  peers: Peers | None = None):
         self.files, self.local, self.node, self.nodes, self.peers = files, local, node, nodes, peers
         self.location = spec
@@ -270,7 +269,7 @@ class PeerStore(Store):
             return where
         return f"{where} on {self.nodes.name(holding.nodes[0])}"
 
-    def _holding(self, name: str) -> Holding:
+    def _holding(self, name: str) -> _Holding:
         if name not in self.files:
             raise FileNotFoundError(f"{self.url(name)}: on no node")
         return self.files[name]

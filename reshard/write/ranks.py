@@ -19,8 +19,8 @@ from ..launch import STOPPED, agreed_failure
 from .workers import REPORT_EVERY_S
 
 POLL_S = 0.1  # how often a rank waiting for the others looks at the store (and lets signals in)
-HEARTBEAT_S = 1.0
-LINGER_S = 5.0  # how long a failing rank 0 that hosts the store keeps it up for the others to read why they stop
+_HEARTBEAT_S = 1.0
+_LINGER_S = 5.0  # how long a failing rank 0 that hosts the store keeps it up for the others to read why they stop
 STALE_S = 30.0  # a rank whose heartbeat has not moved for this long is gone (SIGKILL, node down)
 
 
@@ -32,7 +32,7 @@ class Agreed(OutputError):
     """An error every rank raises together, decided from a collective."""
 
 
-class Answering:
+class _Answering:
     """The job's store as the main thread uses it. Its host (rank 0 without a launcher agent, else the agent) may
     vanish mid-write: a call that then fails stops this rank with that cause, as an agreed error, instead of a bare
     network error escaping the CLI."""
@@ -71,7 +71,7 @@ class Ranks:
             self.watch_store = store.clone()  # its own connection: heartbeats never queue behind the main thread
         except (AttributeError, RuntimeError, NotImplementedError):
             self.watch_store = store
-        self.store = Answering(store, self)
+        self.store = _Answering(store, self)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         written = store.add(f"reshard-write/{restart}/count/{self.rank}", 1)  # the same on every rank: each counts
         self.prefix = f"reshard-write/{restart}/{written}/"
@@ -101,7 +101,7 @@ class Ranks:
         while not self._done.wait(POLL_S):
             try:
                 now = time.monotonic()
-                if now - last_beat >= HEARTBEAT_S:
+                if now - last_beat >= _HEARTBEAT_S:
                     store.add(self.key(f"alive/{self.rank}"), 1)
                     last_beat = now
                 if store.check([self.key("stop")]):
@@ -112,7 +112,7 @@ class Ranks:
                 bar = self.bar
                 if bar is not None:
                     bar.update(store.add(self.key("bytes"), 0) - bar.n)
-                if self.watch_peers and now - last_check >= 2 * HEARTBEAT_S:
+                if self.watch_peers and now - last_check >= 2 * _HEARTBEAT_S:
                     self._check_heartbeats(store, now)
                     last_check = now
             except Exception as e:  # noqa: BLE001  the store went away with rank 0 or the launcher
@@ -156,7 +156,7 @@ class Ranks:
             hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             if self.rank != 0 or not hosts_store or interrupted:  # a signal stops every rank: leave promptly
                 return
-            deadline = time.monotonic() + LINGER_S
+            deadline = time.monotonic() + _LINGER_S
             while (self.store.add(self.key("left"), 0) < self.world - len(self.stale)
                    and time.monotonic() < deadline):
                 time.sleep(POLL_S)

@@ -1,8 +1,8 @@
 """The one way an output job runs: in this process, in `--workers` processes, or as the ranks of a torchrun job.
 
-`write` and `merge` differ only in the job (`reshard.write.output.OutputJob`) their entry point builds; where it runs is
-decided here, from the flags and the launcher's environment, the same way for both. A run that fails or is
-interrupted also removes the parent folders of OUT it created (`removes_made_parents`).
+`write` and `merge` differ only in the job (`reshard.write.output._OutputJob`) their entry point builds; where it
+runs is decided here, from the flags and the launcher's environment, the same way for both. A run that fails or is
+interrupted also removes the parent folders of OUT it created (`_removes_made_parents`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .nodes import use_distributed
 from .output import write_output
 
 
-def removes_made_parents(argument: str):
+def _removes_made_parents(argument: str):
     """Decorate a writer whose parameter `argument` is its output folder: when it fails or is interrupted, the parent
     folders of the output it created (those missing before the call, and still empty) are removed again, so a refused
     write into `small/x/y/out` leaves no empty `x/y` behind."""
@@ -27,7 +27,7 @@ def removes_made_parents(argument: str):
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            made = missing_parents(Path(signature.bind(*args, **kwargs).arguments[argument]))
+            made = _missing_parents(Path(signature.bind(*args, **kwargs).arguments[argument]))
             try:
                 return fn(*args, **kwargs)
             except BaseException:
@@ -43,7 +43,7 @@ def removes_made_parents(argument: str):
     return decorate
 
 
-def missing_parents(out: Path) -> list[Path]:
+def _missing_parents(out: Path) -> list[Path]:
     """The parent folders of `out` that do not exist yet, deepest first."""
     missing, parent = [], Path(os.path.abspath(out)).parent
     while not os.path.lexists(parent) and parent != parent.parent:
@@ -52,7 +52,7 @@ def missing_parents(out: Path) -> list[Path]:
     return missing
 
 
-@removes_made_parents("out")
+@_removes_made_parents("out")
 def run_job(read_job, out, *, command: str, overwrite: bool = False, progress: bool | None = None,
             workers: int | None = 1, distributed: bool | None = None, node_local: bool = False,
             ranks_given: bool = False, gather_from=None, list_from=None):

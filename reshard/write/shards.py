@@ -29,7 +29,7 @@ from .output import headers_digest
 from .staged import StagedOutput, fsync_path, staged_output
 
 
-def rank_file_layout(items: list) -> tuple[list, bytes, list]:
+def _rank_file_layout(items: list) -> tuple[list, bytes, list]:
     """What a rank file of `(ChunkSpec, tensor, box)` items holds: (its chunk specs, its header, the engine's boxes).
     Coordinates with equal chunks (a mesh of thousands has few kinds) share one."""
     specs = [spec for spec, _, _ in items]
@@ -38,7 +38,7 @@ def rank_file_layout(items: list) -> tuple[list, bytes, list]:
 
 
 def write_rank_file(path: Path, layout: tuple[list, bytes, list], engine: Engine, coord: int) -> FileEntry:
-    """Write one rank file of `layout` (`rank_file_layout`) for coordinate `coord`; its manifest entry."""
+    """Write one rank file of `layout` (`_rank_file_layout`) for coordinate `coord`; its manifest entry."""
     specs, header, boxes = layout
     return _rank_file_entry(path, layout, coord, write_safetensors(path, specs, boxes, None, engine, header=header))
 
@@ -51,7 +51,7 @@ def _rank_file_entry(path: Path, layout: tuple[list, bytes, list], coord: int, c
                      f"{crc:08x}", sum(0 in s.shape for s in specs))
 
 
-def write_rank_files(files: list[tuple[int, Path, tuple]], engine: Engine) -> list[FileEntry]:
+def _write_rank_files(files: list[tuple[int, Path, tuple]], engine: Engine) -> list[FileEntry]:
     """Write the rank files `(coord, path, layout)`, one by one or, from a remote source, together; their entries."""
     if len(files) == 1:
         return [write_rank_file(path, layout, engine, coord) for coord, path, layout in files]
@@ -66,13 +66,13 @@ def _coordinate_files(plan: ReshardPlan, tmp: Path, coords, max_shard_size: int 
         key = coordinate_key(plan, coord)
         if key != last[0]:  # one coordinate's list at a time
             parts = split_parts(coordinate_chunks(plan, coord), max_shard_size)
-            last = (key, [rank_file_layout(items) for items in parts])
+            last = (key, [_rank_file_layout(items) for items in parts])
         layouts = last[1]
         for part, layout in enumerate(layouts):
             yield coord, tmp / shard_file_name(coord, part, len(layouts)), layout
 
 
-def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
+def _write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
                       max_shard_size: int | None = None, progress=None, fsync: bool = False,
                       source_crcs: SourceCrcs | None = None, planned_bytes: int | None = None) -> list[FileEntry]:
     """Write the files of the coordinates `coords` into the folder `tmp` and return their manifest entries.
@@ -99,7 +99,7 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
         at_once = files_at_once(engine, tmp)
         for first in range(0, len(items), at_once):
             group = items[first:first + at_once]
-            files += write_rank_files(group, engine)
+            files += _write_rank_files(group, engine)
             paths += [path for _, path, _ in group]
         engine.finish()
     finally:
@@ -110,7 +110,7 @@ def write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coor
     return files
 
 
-def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
+def _write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
                  max_shard_size: int | None = None, source_crcs: SourceCrcs | None = None) -> list[ExtrasEntry]:
     """Write the plan's extras (on-disk tensors the model does not load: MTP layers, ...) whole, under their own
     keys, into `extra-PPPPP-of-NNNNN.safetensors` files in `folder`; returns their manifest entries.
@@ -118,13 +118,13 @@ def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
     The names do not match the rank-file pattern transformers' distributed loader looks for, and no coordinate lists
     them, so no rank reads them; `merge` writes them back. Bytes are copied as they are; a quantized pair among them
     is dequantized like every other weight in a dequantizing write, so the output is one consistent bf16 checkpoint.
-    `source_crcs` as for `write_coordinates`.
+    `source_crcs` as for `_write_coordinates`.
     """
     if not plan.extras:
         return []
     items = [(ChunkSpec(t.name, t.dtype, t.shape, (0,) * len(t.shape), t.numel * DTYPE_BITS[t.dtype] // 8, i), t,
               tuple((0, n) for n in t.shape)) for i, t in enumerate(plan.extras)]
-    engine, entries = Engine(index, source_crcs=source_crcs, planned_bytes=extras_bytes(plan)), []
+    engine, entries = Engine(index, source_crcs=source_crcs, planned_bytes=_extras_bytes(plan)), []
     try:
         for part, chunk_items in enumerate(parts := split_parts(items, max_shard_size)):
             path = folder / extra_file_name(part, len(parts))
@@ -140,14 +140,14 @@ def write_extras(plan: ReshardPlan, index: CheckpointIndex, folder: Path, *,
     return entries
 
 
-def extras_bytes(plan: ReshardPlan) -> int:
+def _extras_bytes(plan: ReshardPlan) -> int:
     """Bytes of tensor data the plan's extras files hold."""
     return sum(t.numel * DTYPE_BITS[t.dtype] // 8 for t in plan.extras)
 
 
 @dataclass(frozen=True)
 class WriteJob:
-    """A `write` as an output job (`reshard.write.output.OutputJob`): its units are the coordinates.
+    """A `write` as an output job (`reshard.write.output._OutputJob`): its units are the coordinates.
 
     Attributes:
         holds: for a node's own copy, the rank spans whose files it holds (the manifest records them; the extras
@@ -214,13 +214,13 @@ class WriteJob:
         return staged_output(out, overwrite, self.index, markers=(MANIFEST_NAME,))
 
     def needed_bytes(self) -> int:
-        return (sum(self.unit_sizes[u] for u in self.units) + (extras_bytes(self.plan) if self.holds_extras else 0)
+        return (sum(self.unit_sizes[u] for u in self.units) + (_extras_bytes(self.plan) if self.holds_extras else 0)
                 + sum(self.index.store.size(name) for name in self.copied))
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
                     source_crcs: SourceCrcs | None = None) -> list[tuple[int, FileEntry]]:
         units = list(units)
-        files = write_coordinates(self.plan, self.index, tmp, units, max_shard_size=self.max_shard_size,
+        files = _write_coordinates(self.plan, self.index, tmp, units, max_shard_size=self.max_shard_size,
                                   progress=progress, fsync=fsync, source_crcs=source_crcs,
                                   planned_bytes=sum(self.unit_sizes[u] for u in units))
         return [(entry.coord, entry) for entry in files]
@@ -228,7 +228,7 @@ class WriteJob:
     def finish(self, tmp: Path, entries: list[FileEntry], out: Path, source_crcs: SourceCrcs) -> Manifest:
         """Complete the folder: extras, copied files, the manifest last; returns the manifest."""
         plan, index = self.plan, self.index
-        extras = (write_extras(plan, index, tmp, max_shard_size=self.max_shard_size, source_crcs=source_crcs)
+        extras = (_write_extras(plan, index, tmp, max_shard_size=self.max_shard_size, source_crcs=source_crcs)
                   if self.holds_extras else [])
         for name in self.copied:
             if name == "config.json" and index.quantization is not None:
@@ -249,7 +249,7 @@ class WriteJob:
                 "SRC's safetensors headers": headers_digest(self.index)}
 
 
-def write_shards(plan: ReshardPlan, index: CheckpointIndex, out, *, overwrite: bool = False,
+def _write_shards(plan: ReshardPlan, index: CheckpointIndex, out, *, overwrite: bool = False,
                  max_shard_size: int | None = None, progress: bool | None = None, workers: int | None = 1) -> Manifest:
     """Write `plan` for the source `index` into the folder `out`, in this process or `workers` processes: the
     write step of `reshard.write_checkpoint`, for a plan built by hand (`make_plan` over any `ModelLayout`).

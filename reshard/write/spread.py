@@ -3,7 +3,7 @@ files whose bytes its own disk holds.
 
 Each output file is cut into parts of `reshard.write.bucket.part_bytes(size)`: all of one size but the last, since
 S3 takes no part under 5 MiB but the last. A part goes to the node whose copy holds most of its source bytes (ties:
-the lowest node), and within the node to its rank with the fewest bytes so far (`plan_parts`, the same on every rank).
+the lowest node), and within the node to its rank with the fewest bytes so far (`_plan_parts`, the same on every rank).
 Rank 0 opens every upload and shares the ids; each rank fills its parts in memory, `PARTS_IN_FLIGHT` + 1 at most,
 from its node's copy and, for the bytes only another node holds, from a rank of that node over the process group
 (`reshard.write.peers`), sends them with the shared id, and hands the ETags to rank 0, which completes every upload and
@@ -26,7 +26,7 @@ from ..runs.byte_runs import Run, placed_runs
 from ..runs.fetch import remember, spans
 from .bucket import PARTS_IN_FLIGHT, Bucket, part_bytes
 
-SENDERS_S = 20.0  # rank 0 waits this long at most for the other ranks' parts in flight to end before it aborts
+_SENDERS_S = 20.0  # rank 0 waits this long at most for the other ranks' parts in flight to end before it aborts
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class OutputFile:
 
 
 @dataclass(frozen=True)
-class Part:
+class _Part:
     """Part `number` of `count` of the output file `name`: its `size` bytes from `start`, sent by `rank`."""
 
     name: str
@@ -68,8 +68,8 @@ class Part:
     rank: int
 
 
-def plan_parts(files: list[OutputFile], holders, node_ranks: tuple[tuple[int, ...], ...], step_of=part_bytes
-               ) -> list[Part]:
+def _plan_parts(files: list[OutputFile], holders, node_ranks: tuple[tuple[int, ...], ...], step_of=part_bytes
+               ) -> list[_Part]:
     """Every part of every file, each given to a rank of the node holding most of its bytes (ties: the lowest node),
     the rank of that node with the fewest bytes so far. `holders(file)`: the nodes whose copies hold a source file."""
     load = {r: 0 for ranks in node_ranks for r in ranks}
@@ -86,11 +86,11 @@ def plan_parts(files: list[OutputFile], holders, node_ranks: tuple[tuple[int, ..
             node = max(range(len(node_ranks)), key=lambda n: (held[n], -n))
             rank = min(node_ranks[node], key=lambda r: (load[r], r))
             load[rank] += hi - lo
-            parts.append(Part(f.name, number, count, lo, hi - lo, rank))
+            parts.append(_Part(f.name, number, count, lo, hi - lo, rank))
     return parts
 
 
-def fill_part(part: Part, f: OutputFile, read, source_crcs) -> bytearray:
+def _fill_part(part: _Part, f: OutputFile, read, source_crcs) -> bytearray:
     """The part's bytes: the header's, then each run's, read with `read(file, start, view)` in few requests
     (`reshard.runs.fetch.spans`); the CRC-32 of each checked source range read is kept in `source_crcs`."""
     lo, hi = part.start, part.start + part.size
@@ -108,7 +108,7 @@ def fill_part(part: Part, f: OutputFile, read, source_crcs) -> bytearray:
     return data
 
 
-class PartSender:
+class _PartSender:
     """One rank's parts of uploads another rank opened: `PARTS_IN_FLIGHT` at once, their ETags kept by name."""
 
     def __init__(self, url: str, uploads: dict[str, str]):
@@ -118,12 +118,12 @@ class PartSender:
         self.parts: dict[str, list[dict]] = {}
         self.lock = threading.Lock()
 
-    def send(self, part: Part, data: bytearray) -> None:
+    def send(self, part: _Part, data: bytearray) -> None:
         while len(self.in_flight) >= PARTS_IN_FLIGHT:
             self.in_flight.popleft().result()
         self.in_flight.append(self.pool.submit(self._send, part, bytes(data)))
 
-    def _send(self, part: Part, data: bytes) -> None:
+    def _send(self, part: _Part, data: bytes) -> None:
         what = f"uploading part {part.number} of {part.count} (bytes {part.start}-{part.start + part.size - 1})"
         answer = self.bucket.call(what, part.name, "upload_part", Key=self.bucket.key(part.name),
                                   UploadId=self.uploads[part.name], PartNumber=part.number, Body=data)
@@ -142,7 +142,7 @@ class PartSender:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-class Serving:
+class _Serving:
     """`peers.serve(files)` on a thread of its own, while this rank fills its parts."""
 
     def __init__(self, peers, files):
@@ -180,8 +180,8 @@ def upload_parts(ranks, nodes, job, store, folder, uploads: dict[str, str], url:
 
     peers = Peers(ranks, folder, tuple(range(ranks.world)), nodes)
     reader = PeerStore(store.files, store.local, nodes.of(ranks.rank), nodes, store.location, peers)
-    serving = Serving(peers, store.files)
-    sender = PartSender(url, uploads)
+    serving = _Serving(peers, store.files)
+    sender = _PartSender(url, uploads)
 
     def read(file: str, start: int, view: memoryview) -> None:  # an `--extras-from` file: through the job's store
         (reader if file in store.files else job.index.store).readinto(file, start, view)
@@ -189,9 +189,9 @@ def upload_parts(ranks, nodes, job, store, folder, uploads: dict[str, str], url:
     try:
         files = {f.name: f for f in (OutputFile.of(job, unit) for unit in job.units)}
         holders = (lambda file: store.files[file].nodes if file in store.files else range(len(nodes.ranks)))
-        for part in plan_parts(list(files.values()), holders, nodes.ranks):
+        for part in _plan_parts(list(files.values()), holders, nodes.ranks):
             if part.rank == ranks.rank:
-                sender.send(part, fill_part(part, files[part.name], read, source_crcs))
+                sender.send(part, _fill_part(part, files[part.name], read, source_crcs))
                 progress.update(part.size)
         return sender.records()
     finally:
@@ -211,9 +211,9 @@ def _count_out(ranks) -> None:
 
 
 def wait_for_senders(ranks) -> None:
-    """Rank 0, about to abort every upload: wait (`SENDERS_S` at most) until no rank sends a part any more, which
+    """Rank 0, about to abort every upload: wait (`_SENDERS_S` at most) until no rank sends a part any more, which
     could bring an aborted upload back."""
-    deadline = time.monotonic() + SENDERS_S
+    deadline = time.monotonic() + _SENDERS_S
     try:
         while (ranks.store.add(ranks.key("senders-stopped"), 0) < ranks.world and not ranks.gone
                and time.monotonic() < deadline):

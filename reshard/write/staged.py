@@ -32,7 +32,7 @@ from .durable import exchange, fsync_files, fsync_path
 from .lock import write_lock
 
 INTERRUPT_CLEANUP_S = 1.0  # an interrupted write removes its temporary folder this long at most, then exits
-TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
+_TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
 
 
 
@@ -47,7 +47,7 @@ class ReplaceRule:
     replaceable: str
 
 
-def some(names: list[str]) -> str:
+def _some(names: list[str]) -> str:
     """At most five names for a message, and how many more."""
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
@@ -71,7 +71,7 @@ def not_a_reshard_output(out: Path) -> str | None:
         store.close()
     foreign = not_ours(out, entries, ours)
     if foreign:
-        return f"it is a reshard output but also holds {some(foreign)}, which reshard did not write"
+        return f"it is a reshard output but also holds {_some(foreign)}, which reshard did not write"
     return None
 
 
@@ -80,10 +80,10 @@ def not_ours(out: Path, entries: list[str], ours: set[str]) -> list[str]:
     return [e for e in entries if e not in ours or not (out / e).is_file()]
 
 
-RESHARD_OUTPUT = ReplaceRule(not_a_reshard_output, "a complete reshard output")
+_RESHARD_OUTPUT = ReplaceRule(not_a_reshard_output, "a complete reshard output")
 
 
-def check_replaceable(out: Path, overwrite: bool, rule: ReplaceRule = RESHARD_OUTPUT) -> None:
+def _check_replaceable(out: Path, overwrite: bool, rule: ReplaceRule = _RESHARD_OUTPUT) -> None:
     """Refuse an existing `out` unless `overwrite` and it is an empty folder or what `rule` allows."""
     if not overwrite:
         raise OutputError(f"{out} already exists. Pass --overwrite to replace it (only an empty folder or "
@@ -111,13 +111,13 @@ class StagedOutput:
         rule: which existing OUT may be replaced.
     """
 
-    def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = RESHARD_OUTPUT):
+    def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = _RESHARD_OUTPUT):
         self.out, self.overwrite, self.rule = Path(out).resolve(), overwrite, rule
-        self.tmp = self.out.parent / f".{self.out.name}{TMP_MARK}{os.getpid()}"
+        self.tmp = self.out.parent / f".{self.out.name}{_TMP_MARK}{os.getpid()}"
         self.total = 0
-        refuse_source_overlap(self.out, sources)
+        _refuse_source_overlap(self.out, sources)
         if os.path.lexists(self.out):
-            check_replaceable(self.out, overwrite, rule)  # refused before anything is touched
+            _check_replaceable(self.out, overwrite, rule)  # refused before anything is touched
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -130,9 +130,9 @@ class StagedOutput:
 
     def claim(self, needed: int) -> None:
         """Under the lock: clean up earlier writes, check OUT again and that `needed` bytes are free."""
-        clean_stale_temporaries(self.out)  # may put back an OUT a killed swap left aside: check it again
+        _clean_stale_temporaries(self.out)  # may put back an OUT a killed swap left aside: check it again
         if os.path.lexists(self.out):
-            check_replaceable(self.out, self.overwrite, self.rule)
+            _check_replaceable(self.out, self.overwrite, self.rule)
         self.total = needed
         free = shutil.disk_usage(self.out.parent).free
         if free < needed:
@@ -170,7 +170,7 @@ class StagedOutput:
     def complete(self) -> None:
         """fsync the finished temporary folder and put it in place as OUT."""
         fsync_files(self.tmp)
-        fsync_dir(self.tmp)
+        _fsync_dir(self.tmp)
         replace(self.tmp, self.out, self.overwrite, self.rule)
 
     def discard(self, *, interrupted: KeyboardInterrupt | None = None) -> None:
@@ -178,25 +178,25 @@ class StagedOutput:
         temporaries.
 
         Interrupted (a KeyboardInterrupt: Ctrl-C, SIGTERM), the removal takes `INTERRUPT_CLEANUP_S` at most
-        (`remove_within`), so the process exits at once even after writing 20,000 files; the rest is left for the
+        (`_remove_within`), so the process exits at once even after writing 20,000 files; the rest is left for the
         next write to OUT, and the interrupt carries what was left (`left_behind_text`).
         """
-        aside = aside_path(self.out)
+        aside = _aside_path(self.out)
         if os.path.lexists(aside) and not os.path.lexists(self.out):
             os.rename(aside, self.out)
         for folder in (self.tmp, aside):
             remove_temporary(folder, self.out, interrupted=interrupted)
 
     def error(self, e: OSError) -> OutputError:
-        """The error a write reports for `e`, once its temporary folder is gone (`output_error`)."""
-        return output_error(e, self.out, self.total)
+        """The error a write reports for `e`, once its temporary folder is gone (`_output_error`)."""
+        return _output_error(e, self.out, self.total)
 
 
 def share_failure(e: Exception, host: str, out: Path, total: int) -> str:
     """What a rank reports when writing its share of `out` failed: the error, worded for the user where it is
     expected, else with its traceback printed on this rank."""
     if isinstance(e, OSError):
-        e = output_error(e, out, total)
+        e = _output_error(e, out, total)
     if not isinstance(e, ReshardError):
         import traceback
 
@@ -205,7 +205,7 @@ def share_failure(e: Exception, host: str, out: Path, total: int) -> str:
     return f"{host}: {e}"
 
 
-def output_error(e: OSError, out: Path, total: int) -> OutputError:
+def _output_error(e: OSError, out: Path, total: int) -> OutputError:
     """The error a write to `out` (of `total` bytes) reports for `e`, once its temporary folder is gone."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(f"{out.parent}: no space left on the device while writing; nothing was kept. "
@@ -215,7 +215,7 @@ def output_error(e: OSError, out: Path, total: int) -> OutputError:
     return OutputError(f"{out}: write failed ({e}); nothing was kept.")
 
 
-def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = RESHARD_OUTPUT, markers: tuple[str, ...]):
+def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = _RESHARD_OUTPUT, markers: tuple[str, ...]):
     """OUT claimed for a job reading `index`: a folder (`StagedOutput`), or a bucket prefix
     (`reshard.write.bucket.BucketOutput`, whose commit marker is the files `markers`, written last)."""
     from ..read.source import is_url
@@ -225,7 +225,7 @@ def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = RESHARD_OU
 
         remote = index.store.location if index.root is None else None  # a source the prefix must not be in
         return BucketOutput(out, overwrite, markers=markers, source=remote)
-    return StagedOutput(out, overwrite, local_sources(index), rule=rule)
+    return StagedOutput(out, overwrite, _local_sources(index), rule=rule)
 
 
 def check_url_output(out, what: str, overwrite: bool) -> None:
@@ -261,7 +261,7 @@ def refuse_empty_output(out, what: str) -> None:
                          "current folder. Nothing was read or written.")
 
 
-def local_sources(index) -> list[Path]:
+def _local_sources(index) -> list[Path]:
     """The local folder and files of a source (`CheckpointIndex`) that an output must not replace: none for a
     source read in ranges."""
     if index.root is None:
@@ -269,7 +269,7 @@ def local_sources(index) -> list[Path]:
     return [index.root, *(index.root / f.name for f in index.files)]
 
 
-def refuse_source_overlap(out: Path, sources) -> None:
+def _refuse_source_overlap(out: Path, sources) -> None:
     """Refuse an OUT that is one of `sources` or holds any: replacing OUT would delete them."""
     for path in sources:
         real = Path(path).resolve()
@@ -283,20 +283,20 @@ def remove_temporary(folder: Path, out: Path, *, interrupted: BaseException | No
     `INTERRUPT_CLEANUP_S` at most; what remains then travels with the interrupt (its `left_behind` pairs)."""
     if not isinstance(interrupted, KeyboardInterrupt):
         shutil.rmtree(folder, ignore_errors=True)
-    elif (stale := remove_within(folder, out, INTERRUPT_CLEANUP_S)) is not None:
+    elif (stale := _remove_within(folder, out, INTERRUPT_CLEANUP_S)) is not None:
         interrupted.left_behind = (*getattr(interrupted, "left_behind", ()), (stale, out))
 
 
-def remove_within(folder: Path, out: Path, seconds: float) -> Path | None:
+def _remove_within(folder: Path, out: Path, seconds: float) -> Path | None:
     """Remove the temporary `folder` of a write to `out` for at most `seconds`, then stop; the folder left, if any.
 
     It is first renamed `.OUT.reshard-tmp-stale-PID-N`: whatever is left is then plainly stale, and the next write
-    to OUT removes it under its lock (`clean_stale_temporaries`, as after a SIGKILL). Measured: 20,000 files took
+    to OUT removes it under its lock (`_clean_stale_temporaries`, as after a SIGKILL). Measured: 20,000 files took
     35-56 s to delete on a loaded file system, far past the few seconds a SIGTERM is given before a SIGKILL.
     """
     if not os.path.lexists(folder):
         return None
-    stale = out.parent / f".{out.name}{TMP_MARK}stale-{os.getpid()}-{time.monotonic_ns()}"
+    stale = out.parent / f".{out.name}{_TMP_MARK}stale-{os.getpid()}-{time.monotonic_ns()}"
     try:
         os.rename(folder, stale)
     except OSError:
@@ -340,26 +340,26 @@ def left_behind_text(interrupt: BaseException) -> str:
 
 # ---- the temporaries of earlier writes ---------------------------------------------------------------------------
 
-def temporaries(out: Path) -> list[Path]:
+def _temporaries(out: Path) -> list[Path]:
     # escaped: an OUT named `m*` must not match the temporaries of another OUT's write
-    return sorted(out.parent.glob(f".{glob.escape(out.name)}{TMP_MARK}*"))
+    return sorted(out.parent.glob(f".{glob.escape(out.name)}{_TMP_MARK}*"))
 
 
-def aside_path(out: Path) -> Path:
-    return out.parent / f".{out.name}{TMP_MARK}old-{os.getpid()}"
+def _aside_path(out: Path) -> Path:
+    return out.parent / f".{out.name}{_TMP_MARK}old-{os.getpid()}"
 
 
-def clean_stale_temporaries(out: Path) -> None:
+def _clean_stale_temporaries(out: Path) -> None:
     """Under the write lock: put back an OUT a killed swap left aside, then remove every earlier temporary.
 
     Holding the lock proves their writers are gone (a live writer holds it, on any host), which a pid check cannot
     tell on a shared file system.
     """
-    stale = temporaries(out)
-    aside = [p for p in stale if p.name.startswith(f".{out.name}{TMP_MARK}old-")]
+    stale = _temporaries(out)
+    aside = [p for p in stale if p.name.startswith(f".{out.name}{_TMP_MARK}old-")]
     if aside and not os.path.lexists(out):  # killed between the two renames of the fallback swap
         os.rename(aside[0], out)
-        fsync_dir(out.parent)
+        _fsync_dir(out.parent)
         stale.remove(aside[0])
     for tmp in stale:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -367,7 +367,7 @@ def clean_stale_temporaries(out: Path) -> None:
 
 # ---- putting the folder in place ---------------------------------------------------------------------------------
 
-fsync_dir = fsync_path  # a folder's entries are made durable the same way
+_fsync_dir = fsync_path  # a folder's entries are made durable the same way
 
 
 def swap_hook(step: str) -> None:
@@ -378,7 +378,7 @@ def swap_hook(step: str) -> None:
     """
 
 
-def replace(tmp: Path, out: Path, overwrite: bool, rule: ReplaceRule = RESHARD_OUTPUT) -> None:
+def replace(tmp: Path, out: Path, overwrite: bool, rule: ReplaceRule = _RESHARD_OUTPUT) -> None:
     """Put the finished folder in place so that OUT is, at every instant, the whole old or the whole new folder.
 
     An existing OUT (checked again by `rule`: nothing foreign may appear during the write) is exchanged with the new
@@ -391,19 +391,19 @@ def replace(tmp: Path, out: Path, overwrite: bool, rule: ReplaceRule = RESHARD_O
         os.rename(tmp, out)
         swap_hook("swapped")
     else:
-        check_replaceable(out, overwrite, rule)
+        _check_replaceable(out, overwrite, rule)
         if exchange(tmp, out):
-            fsync_dir(out.parent)
+            _fsync_dir(out.parent)
             swap_hook("swapped")
             shutil.rmtree(tmp, ignore_errors=True)  # the old output, now at the temporary path
         else:
             _rename_aside_and_in(tmp, out)
-    fsync_dir(out.parent)
+    _fsync_dir(out.parent)
     swap_hook("done")
 
 
 def _rename_aside_and_in(tmp: Path, out: Path) -> None:
-    aside = aside_path(out)
+    aside = _aside_path(out)
     with signals_held():
         os.rename(out, aside)
         try:
@@ -412,6 +412,6 @@ def _rename_aside_and_in(tmp: Path, out: Path) -> None:
         except BaseException:
             os.rename(aside, out)
             raise
-    fsync_dir(out.parent)
+    _fsync_dir(out.parent)
     swap_hook("swapped")
     shutil.rmtree(aside, ignore_errors=True)

@@ -1,6 +1,6 @@
 """`--workers N`: worker processes on this machine writing shares of one output's files into its temporary folder.
 
-Any output job (`reshard.write.output.OutputJob`: a `write`'s coordinates, a `merge`'s files) is split into units of
+Any output job (`reshard.write.output._OutputJob`: a `write`'s coordinates, a `merge`'s files) is split into units of
 files weighed by their bytes; units go largest first to the least loaded writer (ties: the lower unit, the lower
 writer), so every writer, and every rank of a distributed write (`reshard.write.distributed`), computes the same
 assignment from the same sizes. Every writer produces the same bytes for a unit, so the output is byte-identical to
@@ -28,10 +28,10 @@ from ..errors import OutputError, ReshardError
 from ..runs.source_check import SourceCrcs
 from ..signals import signals_held
 
-WORKER_MIN_BYTES = 1 << 30  # a worker costs ~0.2 s to start: worth it only with at least this much to write
-MAX_DEFAULT_WORKERS = 4  # beyond ~4 streams a single disk stops gaining; pass --workers for a parallel file system
+_WORKER_MIN_BYTES = 1 << 30  # a worker costs ~0.2 s to start: worth it only with at least this much to write
+_MAX_DEFAULT_WORKERS = 4  # beyond ~4 streams a single disk stops gaining; pass --workers for a parallel file system
 REPORT_EVERY_S = 0.2  # how often a writer reports its copied bytes
-STOP_WORKERS_S = 10.0  # a terminated worker that has not exited by then is killed
+_STOP_WORKERS_S = 10.0  # a terminated worker that has not exited by then is killed
 
 
 # ---- shares ------------------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def assign_shares(sizes: list[int], writers: int, units=None) -> list[list[int]]
     return [sorted(share) for share in shares]
 
 
-def available_cores() -> int:
+def _available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))  # what this process may use (taskset, cgroup cpusets), not the machine
     except AttributeError:
@@ -68,12 +68,12 @@ def default_workers(data_bytes: int, units: int, cores: int | None = None, *, co
     Each copying writer keeps about two cores busy (the kernel copy and its CRC-32 thread), and a small write finishes
     before a worker would have started. A dequantizing writer is bound by its own arithmetic, one core each.
     """
-    cores = available_cores() if cores is None else cores
-    limit = cores if compute else min(MAX_DEFAULT_WORKERS, cores // 2)
-    return max(1, min(limit, units, data_bytes // WORKER_MIN_BYTES))
+    cores = _available_cores() if cores is None else cores
+    limit = cores if compute else min(_MAX_DEFAULT_WORKERS, cores // 2)
+    return max(1, min(limit, units, data_bytes // _WORKER_MIN_BYTES))
 
 
-def failure_report(e: BaseException) -> dict:
+def _failure_report(e: BaseException) -> dict:
     """What a writer reports about its exception to the process that decides (it may not unpickle every type)."""
     expected = isinstance(e, (ReshardError, OSError))
     return {"type": type(e).__name__, "message": str(e), "reshard": isinstance(e, ReshardError),
@@ -118,7 +118,7 @@ def _worker(conn, payload: bytes, tmp: str, units: list[int]) -> None:
         raise SystemExit(1)  # the parent is gone: nobody will use these files
     except BaseException as e:  # noqa: BLE001  every failure goes to the parent, which decides
         try:
-            conn.send(("error", failure_report(e)))
+            conn.send(("error", _failure_report(e)))
         except OSError:
             pass
         raise SystemExit(1)
@@ -160,7 +160,7 @@ def _stop_workers(procs: list) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    deadline = time.monotonic() + STOP_WORKERS_S
+    deadline = time.monotonic() + _STOP_WORKERS_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
