@@ -48,6 +48,19 @@ class LocalHub:
     url: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     down: str | None = None  # a regex: every request whose path matches it is answered 500 (".": a Hub in an outage)
+    # each file's digests, computed once: `id(data) -> (data, {kind: hex})` (the file is held, so its id stays its own)
+    digests: dict[int, tuple[bytes, dict[str, str]]] = field(default_factory=dict)
+
+    def digest(self, data: bytes, kind: str) -> str:
+        """`kind` "etag" (what `_etag` gives) or "sha1" of `data`, hashed once per file, not once per request: a
+        ranged read of a large file must not cost a hash of all of it."""
+        with self.lock:
+            held = self.digests.get(id(data))
+            if held is None or held[0] is not data:
+                held = self.digests[id(data)] = (data, {})
+        if kind not in held[1]:
+            held[1][kind] = _etag(data) if kind == "etag" else hashlib.sha1(data).hexdigest()
+        return held[1][kind]
 
     def add(self, repo: str, files: dict[str, bytes], *, branch: str = "main") -> str:
         """Publish `files` as a new commit of `repo` on `branch`; returns the commit id."""
@@ -154,10 +167,10 @@ def _handler(hub: LocalHub):
                 for name, data in sorted(files.items()):
                     if not name.startswith(prefix):
                         continue
-                    entry = {"type": "file", "oid": _etag(data) if len(data) < LFS_THRESHOLD else
-                             hashlib.sha1(data).hexdigest(), "size": len(data), "path": name}
+                    entry = {"type": "file", "oid": hub.digest(data, "etag") if len(data) < LFS_THRESHOLD else
+                             hub.digest(data, "sha1"), "size": len(data), "path": name}
                     if len(data) >= LFS_THRESHOLD:
-                        entry["lfs"] = {"oid": _etag(data), "size": len(data), "pointerSize": 134}
+                        entry["lfs"] = {"oid": hub.digest(data, "etag"), "size": len(data), "pointerSize": 134}
                     entries.append(entry)
                 return self._json(entries)
             return self._json({"id": repo, "modelId": repo, "sha": commit, "private": False, "disabled": False,
@@ -184,9 +197,9 @@ def _handler(hub: LocalHub):
                 with hub.lock:
                     hub.log.append(Request(self.command, repo, name, wanted, 0, self._token()))
                 return self._error(500, "Internal Error")
-            body = data[start:end + 1]
+            body = memoryview(data)[start:end + 1]  # the range itself, sent without a copy of it or of the file
             self.send_response(status)
-            self.send_header("ETag", f'"{_etag(data)}"')
+            self.send_header("ETag", f'"{hub.digest(data, "etag")}"')
             self.send_header("X-Repo-Commit", commit)
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Type", "application/octet-stream")
