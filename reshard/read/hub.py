@@ -48,7 +48,7 @@ def hub_store(repo_id: str, revision: str | None, *, stream: bool, data: bool) -
         repo = cache_repo_of(root)
         return LocalStore(root, cache_repo=repo) if repo else LocalStore(root)
     commit = commit or revision or "main"
-    return CachedHubStore(RemoteStore(HubFiles(repo_id, commit), HubFiles.base(repo_id, commit), f"hf://{repo_id}"),
+    return CachedHubStore(_HubStore(HubFiles(repo_id, commit), HubFiles.base(repo_id, commit), f"hf://{repo_id}"),
                           repo_id, commit)
 
 
@@ -103,6 +103,35 @@ class HubFiles:
 
     def cat_file(self, path: str, start: int, end: int) -> bytes:
         return self._get(self._url(path), headers={"Range": f"bytes={start}-{end - 1}"}).content
+
+    def cat_into(self, path: str, start: int, view: memoryview) -> int:
+        """Bytes `[start, start + len(view))` of `path` into `view` as the answer's body arrives, in one ranged
+        request (no body joined into `bytes` first); the bytes the answer has (more than `len(view)`: a server that
+        ignored the range, whose body is not read past the view)."""
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        headers = {**build_hf_headers(), "Range": f"bytes={start}-{start + len(view) - 1}"}
+        with get_session().stream("GET", self._url(path), headers=headers, follow_redirects=True,
+                                  timeout=READ_TIMEOUT_S) as response:
+            if response.status_code >= 400:
+                response.read()  # the error's body, for its message
+                if response.status_code == 404:
+                    raise FileNotFoundError(self._url(path))
+                hf_raise_for_status(response)
+            got = 0
+            for chunk in response.iter_bytes():
+                if got + len(chunk) > len(view):
+                    return got + len(chunk)
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
+            return got
+
+
+class _HubStore(RemoteStore):
+    """A Hub repo at one commit (`HubFiles`): each ranged answer's body goes straight into the reader's buffer."""
+
+    def _get_into(self, name: str, path: str, start: int, view: memoryview) -> int:
+        return self.fs.cat_into(path, start, view)
 
 
 def _offline() -> bool:
