@@ -417,45 +417,20 @@ def bench_uploads(bench: Bench, folder: Path) -> tuple[list[dict], dict]:
 
 def profile_write(bench: Bench, src_url: str) -> None:
     """One in-process write from S3, straight to weed (the proxy shares this process), under cProfile timed by each
-    thread's own CPU clock: every thread profiled (the fetches run on a pool, the client's event loop on its own
-    thread) and the profiles added up; the top entries by cumulative and by own CPU time."""
-    import cProfile
-    import pstats
-    import threading
+    thread's own CPU clock (`remote_rank.profiled`); the top entries by cumulative and by own CPU time."""
+    from remote_rank import profiled
 
     os.environ.update(bench.client_env(direct=True))
     sys.path.insert(0, str(wb.REPO))
     from reshard.api import write_checkpoint
     from reshard.plan.mesh import MeshSpec
 
-    profiles: list = []
-    run = threading.Thread.run
-
-    def profiled(thread):  # each thread started during the write runs under a profiler of its own
-        profiler = cProfile.Profile(time.thread_time)
-        profiles.append(profiler)
-        profiler.runcall(run, thread)
-
     out = bench.work / "out-profile"
-    main = cProfile.Profile(time.thread_time)  # CPU seconds of each thread, not the wall time it waited
-    profiles.append(main)
-    threading.Thread.run = profiled
     start, cpu = time.perf_counter(), time.process_time()
-    try:
-        main.runcall(write_checkpoint, src_url, out, MeshSpec(fsdp=bench.args.fsdp, ep=bench.args.ep),
-                     progress=False)
-    finally:
-        threading.Thread.run = run
+    _, text = profiled(write_checkpoint, src_url, out, MeshSpec(fsdp=bench.args.fsdp, ep=bench.args.ep),
+                       progress=False, top=(25, 15))
     print(f"\nprofile: in-process write from {src_url} (no proxy) {time.perf_counter() - start:.2f} s, "
-          f"{time.process_time() - cpu:.2f} CPU s (all threads); {len(profiles)} threads profiled", flush=True)
-    stats = pstats.Stats(main)
-    for profiler in profiles[1:]:
-        try:
-            stats.add(profiler)
-        except TypeError:  # a thread still running (the client's event loop): its profile is not closed yet
-            pass
-    stats.sort_stats("cumulative").print_stats(25)
-    stats.sort_stats("tottime").print_stats(15)
+          f"{time.process_time() - cpu:.2f} CPU s (all threads); {text}", flush=True)
     wb.remove(out)
 
 

@@ -33,9 +33,11 @@ def _process_start() -> float:
     return now - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def _profiled(function, folder: str, path: str):
-    """`function(folder)` under cProfile timed by each thread's own CPU clock (every thread started meanwhile has a
-    profiler of its own, added up at the end, as bench/remote.py's write profile); the top entries go to `path`."""
+def profiled(function, *args, top: tuple[int, int] = (30, 20), **kwargs):
+    """`function(*args, **kwargs)` under cProfile timed by each thread's own CPU clock: every thread started meanwhile
+    has a profiler of its own (the fetches run on a pool, the client's event loop on its own thread), added up at the
+    end; returns (its result, the top entries by cumulative and by own CPU time, as text). bench/remote.py's write
+    profile uses it too."""
     import cProfile
     import io
     import pstats
@@ -43,14 +45,14 @@ def _profiled(function, folder: str, path: str):
 
     profiles, run = [cProfile.Profile(time.thread_time)], threading.Thread.run
 
-    def profiled(thread):
+    def each_thread(thread):
         profiler = cProfile.Profile(time.thread_time)
         profiles.append(profiler)
         profiler.runcall(run, thread)
 
-    threading.Thread.run = profiled
+    threading.Thread.run = each_thread
     try:
-        result = profiles[0].runcall(function, folder)
+        result = profiles[0].runcall(function, *args, **kwargs)
     finally:
         threading.Thread.run = run
     out = io.StringIO()
@@ -60,11 +62,9 @@ def _profiled(function, folder: str, path: str):
             stats.add(profiler)
         except TypeError:  # a thread still running (the client's event loop): its profile is not closed yet
             pass
-    stats.sort_stats("cumulative").print_stats(30)
-    stats.sort_stats("tottime").print_stats(20)
-    with open(path, "w") as f:
-        f.write(out.getvalue())
-    return result
+    stats.sort_stats("cumulative").print_stats(top[0])
+    stats.sort_stats("tottime").print_stats(top[1])
+    return result, f"{len(profiles)} threads profiled\n{out.getvalue()}"
 
 
 def main() -> None:
@@ -88,7 +88,9 @@ def main() -> None:
     times["load_start"] = time.time()
     cpu = time.process_time()
     if rank == 0 and os.environ.get("RESHARD_BENCH_PROFILE"):  # bench/remote.py --profile: rank 0 profiled
-        model = _profiled(reshard.from_pretrained, folder, os.path.join(report_dir, "profile.txt"))
+        model, text = profiled(reshard.from_pretrained, folder)
+        with open(os.path.join(report_dir, "profile.txt"), "w") as f:
+            f.write(text)
     else:
         model = reshard.from_pretrained(folder)  # CRC-32 of every file checked as its bytes pass (the default)
     times["load_end"] = time.time()
