@@ -407,6 +407,7 @@ def test_torchtitan_style_init_keeps_zero_bias(poisoned_empty_like):
 
 def test_check_buffers_counts_and_skips():
     model = TinyMoE()
+    model.w.data.zero_()  # `torch.empty` memory may hold non-finite values of its own: only the two set below count
     model.router.expert_bias[:3] = float("nan")
     model.w.data[0, 0, :2] = float("inf")
     model.register_buffer("ids", torch.zeros(3, dtype=torch.long))  # integers cannot be non-finite
