@@ -164,6 +164,7 @@ class S3Server:
         self._gone = threading.Event()  # set by kill(): stalls end, open connections are closed
         self._stalls = threading.Condition()  # stalled requests wait on it, until `seconds` or a release
         self._releases = 0
+        self._held = 0  # stalled requests being held now
         self._conns: set[socket.socket] = set()
         self._httpd: _Proxy | None = None
         self._thread: threading.Thread | None = None
@@ -441,6 +442,12 @@ class S3Server:
         (`Range`: the whole object comes back; `If-Match`: no precondition is checked)."""
         self._add(_Fault("strip", n, frozenset(methods), key, header=header.lower()))
 
+    def wait_held(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until a stalled request is being held: True once one is. (The log has it
+        only once its stall is over, too late for a test that must act while it is held.)"""
+        with self._stalls:
+            return self._stalls.wait_for(lambda: self._held > 0, timeout)
+
     def release_stalls(self) -> None:
         """End every stall in progress now: those requests go on as usual (or end, after kill())."""
         with self._stalls:
@@ -557,7 +564,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         owner = self.owner
         with owner._stalls:
             releases = owner._releases
-            owner._stalls.wait_for(lambda: owner._releases != releases, timeout=seconds)
+            owner._held += 1
+            owner._stalls.notify_all()  # `wait_held`
+            try:
+                owner._stalls.wait_for(lambda: owner._releases != releases, timeout=seconds)
+            finally:
+                owner._held -= 1
         if owner._gone.is_set():
             raise _Gone
 

@@ -15,6 +15,7 @@ import pytest
 
 from reshard.api import merge_checkpoint, write_checkpoint
 from reshard.errors import OutputError, UsageError
+from reshard.manifest import shard_file_name
 from reshard.plan.mesh import MeshSpec
 from reshard.write import bucket as bucket_output
 
@@ -43,6 +44,14 @@ def objects(server, bucket: str, prefix: str) -> dict[str, bytes]:
 def open_uploads(server, bucket: str) -> list:
     """The multipart uploads in progress in `bucket`."""
     return client(server).call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+
+
+def until_held(server, running, why=lambda: "", *, seconds: float = 120) -> None:
+    """Wait until `server` holds a stalled request, so whatever the test does next lands mid-upload; fail (with
+    `why()`) if `running()` turns false first, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not server.wait_held(0.1):
+        assert running() and time.monotonic() < deadline, why()
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -167,6 +176,27 @@ def test_a_failing_part_is_retried_then_named_and_every_upload_aborted(s3, s3_bu
     assert objects(s3, s3_bucket, "failing") == {}  # no file, no marker
 
 
+def test_a_part_the_server_holds_is_given_up_at_its_deadline_and_sent_again(s3, s3_bucket, folder, monkeypatch):
+    """A server that takes a part and stops reading it: botocore's read timeout never starts, so the part's own
+    deadline (here 1 s + its bytes at 8 MiB/s) ends the try, and the write goes on, exact."""
+    src, ckpt = folder
+    monkeypatch.setattr(bucket_output, "READ_TIMEOUT_S", 1)
+    monkeypatch.setattr(bucket_output, "_SLOWEST_UPLOAD", 8 << 20)
+    held = f"held/{shard_file_name(0, 0, 1)}"
+    s3.stall_next(1, 120, methods=("PUT",), key=held)
+    started = time.monotonic()
+    try:
+        write_checkpoint(src, f"s3://{s3_bucket}/held", MeshSpec(fsdp=4), progress=False)
+        took = time.monotonic() - started
+    finally:
+        s3.release_stalls()
+    assert objects(s3, s3_bucket, "held") == files_of(ckpt)
+    assert took < 60, took  # the held try lasted about 2 s, not the server's 120
+    puts = s3.requests(method="PUT", key=held)
+    assert [r.fault for r in puts] == ["stall", None], puts  # given up once, then sent again
+    assert open_uploads(s3, s3_bucket) == []
+
+
 def test_a_failure_after_the_uploads_completed_removes_them(s3, s3_bucket, folder, monkeypatch):
     def fail(step):
         raise OSError(5, "injected")
@@ -229,16 +259,11 @@ def test_node_local_into_a_bucket_is_refused_before_anything_is_read(s3, s3_buck
 def test_sigterm_mid_upload_leaves_no_marker_and_no_upload_in_progress(s3, s3_bucket, folder):
     src, _ = folder
     # a part of the first rank file hangs: the write is surely mid-upload when the signal comes
-    s3.stall_next(1, 60, methods=("PUT",), key="cut/shard-00000-model-00001-of-00001.safetensors")
+    held = f"cut/{shard_file_name(0, 0, 1)}"
+    s3.stall_next(1, 60, methods=("PUT",), key=held)
     proc = cli(s3, "write", src, f"s3://{s3_bucket}/cut", "--fsdp", 4, "-q")
-    deadline = time.monotonic() + 120
-    while not s3.requests(method="PUT", prefix="cut/shard-", wait=0) and not [
-            r for r in s3.requests(wait=0, fault="stall")]:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    while not open_uploads(s3, s3_bucket):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    until_held(s3, lambda: proc.poll() is None, lambda: proc.communicate())
+    assert s3.requests(method="POST", key=held, wait=0), "the held part's upload was opened first"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     s3.release_stalls()
@@ -356,10 +381,7 @@ def test_sigterm_mid_upload_across_nodes_leaves_no_marker_and_no_upload(s3, s3_b
     worker = threading.Thread(target=lambda: done.update(result=merge_across_nodes(
         s3, s3_bucket, tiny, tmp_path, "cut", 40_000_000, model={"experts": 4, "vocab_size": 80_000})))
     worker.start()
-    deadline = time.monotonic() + 240
-    while not s3.requests(wait=0, fault="stall", prefix="cut/"):
-        assert worker.is_alive() and time.monotonic() < deadline
-        time.sleep(0.1)
+    until_held(s3, worker.is_alive, seconds=240)
     pids = rank_pids(f"s3://{s3_bucket}/cut")
     assert len(pids) == 4, pids
     for pid in pids:
@@ -387,10 +409,7 @@ def test_a_node_killed_mid_upload_stops_every_rank_and_leaves_no_upload(s3, s3_b
     worker = threading.Thread(target=lambda: done.update(result=merge_across_nodes(
         s3, s3_bucket, tiny, tmp_path, "died", 40_000_000, model={"experts": 4, "vocab_size": 80_000})))
     worker.start()
-    deadline = time.monotonic() + 240
-    while not s3.requests(wait=0, fault="stall", prefix="died/"):
-        assert worker.is_alive() and time.monotonic() < deadline
-        time.sleep(0.1)
+    until_held(s3, worker.is_alive, seconds=240)
     pids = rank_pids(f"s3://{s3_bucket}/died")
     ranks = {pid: int(dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0")
                            if "=" in v)["RANK"]) for pid in pids}

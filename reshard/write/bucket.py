@@ -16,6 +16,7 @@ metadata over new files. Requests go through s3fs (botocore), with the AWS envir
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import errno
 import os
@@ -23,14 +24,15 @@ import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from ..errors import OutputError, ReshardError, UsageError
 from ..manifest import MANIFEST_NAME
 from ..read.checkpoint import INDEX_NAME
-from ..read.remote import ATTEMPTS, BACKOFF_S, transient
+from ..read.remote import ATTEMPTS, BACKOFF_S, READ_TIMEOUT_S, transient
 from ..words import plural
 from . import files
 
@@ -42,6 +44,9 @@ PARTS_IN_FLIGHT = 4
 _FILES_QUEUED = 1  # whole files waiting in the spool while the next is filled
 _MARKERS = (MANIFEST_NAME, INDEX_NAME, "config.json")  # what tells a reader a prefix holds a checkpoint
 PROBE = ".reshard-write-check"  # the key a write-permission check opens (and aborts) an upload for
+# A request gets READ_TIMEOUT_S plus its body at this rate, then it is given up and tried again: botocore's timeouts
+# cover connecting and reading the answer, not a server that stops reading a body it was sent
+_SLOWEST_UPLOAD = 1 << 20  # bytes per second
 
 
 def part_bytes(size: int) -> int:
@@ -77,6 +82,8 @@ class Bucket:
                              "Nothing was read or written.")
         self.fs = s3_filesystem(s3fs)
         self.stop = threading.Event()  # set when the output is discarded: no more retries
+        self._lock = threading.Lock()
+        self._in_flight: dict[Future, str] = {}  # the requests under way, and their operations (`cancel`)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -84,8 +91,11 @@ class Bucket:
     def where(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    def call(self, what: str, name: str | None, operation: str, *, attempts: int = ATTEMPTS, **params):
+    def call(self, what: str, name: str | None, operation: str, *, attempts: int = ATTEMPTS, on_answer=None,
+             **params):
         """`operation` (a botocore S3 call) with `params`, tried up to `attempts` times while it fails transiently.
+        `on_answer(answer)` is called as the answer arrives, even when the caller was interrupted while it waited: an
+        upload opened or an object written then is still known to the clean-up.
 
         Raises:
             OutputError: it failed; the message names the URL, what was asked and the attempts.
@@ -93,7 +103,7 @@ class Bucket:
         delay, last, attempt = BACKOFF_S, None, 0
         for attempt in range(1, attempts + 1):
             try:
-                return self.fs.call_s3(operation, Bucket=self.name, **params)
+                return self._request(operation, params, on_answer)
             except Exception as e:  # noqa: BLE001  botocore and s3fs raise many unrelated types
                 last = e
                 if not _retried(e) or attempt == attempts or self.stop.is_set():
@@ -104,6 +114,40 @@ class Bucket:
         raise OutputError(f"{where}: {what} failed after {plural(attempt, 'attempt')} ({type(last).__name__}: "
                           f"{str(last)[:300]}). Check the endpoint, the credentials, the bucket's permissions and the "
                           "network, then run the command again.") from last
+
+    def _request(self, operation: str, params: dict, on_answer):
+        """One try of `operation` on s3fs's event loop, given up (`TimeoutError`, tried again) after its deadline, or
+        ended by `cancel`."""
+        body = params.get("Body")
+        seconds = READ_TIMEOUT_S + (len(body) if body is not None else 0) / _SLOWEST_UPLOAD
+        request = asyncio.run_coroutine_threadsafe(self.fs._call_s3(operation, Bucket=self.name, **params),
+                                                   self.fs.loop)
+        with self._lock:
+            self._in_flight[request] = operation
+        request.add_done_callback(self._landed)
+        if on_answer is not None:
+            request.add_done_callback(lambda r: r.cancelled() or r.exception() is not None or on_answer(r.result()))
+        try:
+            return request.result(timeout=seconds)
+        except FutureTimeout:
+            request.cancel()
+            raise TimeoutError(f"no answer within {seconds:.0f} s") from None
+
+    def _landed(self, request: Future) -> None:
+        with self._lock:
+            self._in_flight.pop(request, None)
+
+    def cancel(self) -> None:
+        """Stop retrying; end the parts under way (a part the server holds must not keep an interrupted write
+        waiting), and wait up to `READ_TIMEOUT_S` for the other requests under way, whose answers (an upload opened,
+        an object written) the clean-up needs."""
+        self.stop.set()
+        with self._lock:
+            in_flight = dict(self._in_flight)
+        for request, operation in in_flight.items():
+            if operation == "upload_part":
+                request.cancel()
+        wait([r for r, operation in in_flight.items() if operation != "upload_part"], timeout=READ_TIMEOUT_S)
 
     def names(self) -> dict[str, int]:
         """The objects directly under the prefix: name -> size."""
@@ -200,10 +244,12 @@ class Uploads:
             return {name: (upload, list(self.parts.get(name, []))) for name, upload in self.open.items()}
 
     def open_upload(self, name: str) -> str:
-        opened = self.bucket.call("starting the upload", name, "create_multipart_upload", Key=self.bucket.key(name))
-        with self.lock:
-            self.open[name] = opened["UploadId"]
-        return opened["UploadId"]
+        def opened(answer) -> None:
+            with self.lock:
+                self.open[name] = answer["UploadId"]
+
+        return self.bucket.call("starting the upload", name, "create_multipart_upload", on_answer=opened,
+                                Key=self.bucket.key(name))["UploadId"]
 
     def send(self, path: Path, upload: str) -> None:
         """Send `path` as the parts of the open `upload`, `PARTS_IN_FLIGHT` at once, then remove it."""
@@ -238,7 +284,7 @@ class Uploads:
 
     def abort(self, *, interrupted: bool = False) -> tuple[dict[str, str], list[str]]:
         """Stop sending and abort every open upload (interrupted: one try each); (the uploads, those not aborted)."""
-        self.bucket.stop.set()  # a file being sent stops at its next part, and no request is tried again
+        self.bucket.cancel()  # a file being sent stops at its next part; the parts under way end, and none is retried
         self.file_pool.shutdown(wait=True, cancel_futures=True)
         self.part_pool.shutdown(wait=True, cancel_futures=True)  # a part sent after its abort could bring it back
         with self.lock:
@@ -345,10 +391,8 @@ class BucketOutput:
                 self.put(name)
         for name, (upload, parts) in sorted(_joined_records(self.adopted, self.uploads.wait()).items()):
             self.bucket.call("completing the upload", name, "complete_multipart_upload", Key=self.bucket.key(name),
-                             UploadId=upload, MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])})
-            self.adopted.pop(name, None)
-            self.uploads.open.pop(name, None)
-            self.completed.append(name)
+                             UploadId=upload, MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
+                             on_answer=lambda _, name=name: self._completed(name))
         complete_hook("uploaded")
         for name in [m for m in self.markers if m in left]:
             self.put(name)
@@ -357,10 +401,16 @@ class BucketOutput:
             self.bucket.call("removing an object of the old checkpoint", name, "delete_object",
                              Key=self.bucket.key(name))
 
+    def _completed(self, name: str) -> None:
+        """`name` is an object now (its answer came, even if the caller was interrupted): the clean-up removes it."""
+        self.adopted.pop(name, None)
+        with self.uploads.lock:
+            self.uploads.open.pop(name, None)
+        self.completed.append(name)
+
     def put(self, name: str) -> None:
         self.bucket.call("writing the object", name, "put_object", Key=self.bucket.key(name),
-                         Body=(self.tmp / name).read_bytes())
-        self.completed.append(name)
+                         Body=(self.tmp / name).read_bytes(), on_answer=lambda _: self._completed(name))
 
     def discard(self, *, interrupted: KeyboardInterrupt | None = None) -> str:
         """Abort every open upload and remove every object this write completed; returns what it did, for the
