@@ -10,6 +10,7 @@ Which kind of source a path or URL is, and which store serves it, is decided onc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 
@@ -18,6 +19,14 @@ from .safetensors_header import FileHeader, TensorEntry, header_of, json_documen
 
 INDEX_NAME = "model.safetensors.index.json"
 _SINGLE_NAME = "model.safetensors"
+
+
+class Kind(str, Enum):
+    """What a source holds."""
+
+    CHECKPOINT = "checkpoint"  # safetensors weights under their on-disk keys (an HF checkpoint, maybe quantized)
+    RESHARD = "reshard"  # a `reshard write` folder
+    SAVED = "saved"  # a `save_pretrained(..., distributed_checkpoint=True)` folder
 
 # The torch dtype of each safetensors dtype torch can hold, by attribute name (a torch without one gets None).
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8",

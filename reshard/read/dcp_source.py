@@ -34,18 +34,16 @@ from ..plan.layout import ModelLayout, Piece, TargetTensor, role_of, whole_tenso
 from ..plan.mesh import ranks_text
 from ..plan.ranks import RankSpans
 from ..words import plural
-from .checkpoint import CheckpointIndex, copied_files, read_config
+from .checkpoint import CheckpointIndex, Kind, copied_files, read_config
 from .safetensors_header import FileHeader, TensorEntry, header_of
-
-RESHARD, SAVED = "reshard", "saved"
-
 
 @dataclass(frozen=True)
 class DcpIndex(CheckpointIndex):
     """A `CheckpointIndex` over a distributed-checkpoint folder: `tensors` are its chunks under synthetic keys.
 
     Attributes:
-        kind: `reshard` (a `reshard write` folder) or `saved` (`save_pretrained(..., distributed_checkpoint=True)`).
+        kind: `Kind.RESHARD` (a `reshard write` folder) or `Kind.SAVED` (`save_pretrained(...,
+            distributed_checkpoint=True)`).
         original: per in-memory tensor, the on-disk keys of the source layout that make it
             (`reshard.manifest.OnDisk` tuples), or None when unknown (`original_error` says why).
         original_error: why `original` is None.
@@ -55,7 +53,7 @@ class DcpIndex(CheckpointIndex):
         manifest: a reshard folder's manifest (`reshard.manifest.Manifest`), None for a saved folder.
     """
 
-    kind: str = SAVED
+    kind: Kind = Kind.SAVED
     original: dict | None = None
     original_error: str | None = None
     tied: tuple[str, ...] = ()
@@ -81,9 +79,9 @@ def read_dcp_source(location) -> tuple[DcpIndex, ModelLayout]:
             a gap, or have mixed dtypes (each named with the region or the files).
         ArchitectureError: a saved folder's model type is unknown to transformers.
     """
-    if location.kind.value == RESHARD:
+    if location.kind is Kind.RESHARD:
         return _read_reshard_folder(location.store, location.spec)
-    if location.kind.value == SAVED:
+    if location.kind is Kind.SAVED:
         return _read_saved_folder(location.store, location.spec)
     raise CheckpointError(f"{location.spec}: no reshard.json and no shard-RRRRR-model-PPPPP-of-NNNNN.safetensors. This "
                           "is neither a reshard folder (`reshard write`) nor a folder saved by transformers' "
@@ -142,7 +140,7 @@ def _read_reshard_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
     original, error = manifest.original_layout()
     crc32 = {**{e.name: e.crc32 for e in manifest.files}, **{e.name: e.crc32 for e in manifest.extras}}
     index = DcpIndex(spec, None, store, read_config(store), tuple(headers), entries,
-                     copied_files(store, {h.name for h in headers} | {MANIFEST_NAME}), kind=RESHARD,
+                     copied_files(store, {h.name for h in headers} | {MANIFEST_NAME}), kind=Kind.RESHARD,
                      original=original, original_error=error, tied=tied_from_record(original), crc32=crc32,
                      manifest=manifest)
     return index, layout
@@ -253,7 +251,7 @@ def _read_saved_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
         original, error = None, (f"{config['model_type']}: transformers' save_pretrained layout cannot be written by "
                                  f"slicing ({e}); use --layout fused")
     index = DcpIndex(spec, None, store, config, tuple(headers), entries, copied_files(store, set(names)),
-                     kind=SAVED, original=original, original_error=error, tied=tuple(tied))
+                     kind=Kind.SAVED, original=original, original_error=error, tied=tuple(tied))
     return index, layout
 
 

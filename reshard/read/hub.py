@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -53,10 +54,11 @@ def hub_store(repo_id: str, revision: str | None, *, stream: bool, data: bool) -
 
 
 class HubFiles:
-    """The three calls `RemoteStore` makes (`ls`, `info`, `cat_file`), for a Hub repo at one commit, each one HTTP
-    request: huggingface_hub's `HfFileSystem` retries 5 times with backoff inside each of reshard's attempts (measured
-    with a Hub answering 500: 98 s and 40 log lines before the error), so reshard's bound and its silence hold only
-    with reshard's own retries. Reading at a commit id, never a branch, the bytes cannot change under a read."""
+    """The calls a `RemoteStore` of the Hub makes (`ls`, `info`, `cat_into`), for a Hub repo at one commit, each one
+    HTTP request: huggingface_hub's `HfFileSystem` retries 5 times with backoff inside each of reshard's attempts
+    (measured with a Hub answering 500: 98 s and 40 log lines before the error), so reshard's bound and its silence
+    hold only with reshard's own retries. Reading at a commit id, never a branch, the bytes cannot change under a
+    read."""
 
     def __init__(self, repo_id: str, commit: str):
         self.repo_id, self.commit = repo_id, commit
@@ -65,15 +67,19 @@ class HubFiles:
     def base(repo_id: str, commit: str) -> str:
         return f"{repo_id}@{commit}"
 
-    def _get(self, url: str, *, method: str = "GET", headers: dict | None = None, params: dict | None = None):
+    @contextmanager
+    def _answer(self, url: str, *, method: str = "GET", headers: dict | None = None, params: dict | None = None):
+        """One request, its answer streamed: the status checked (a 404 is `FileNotFoundError`), the body not read."""
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        response = get_session().request(method, url, headers={**build_hf_headers(), **(headers or {})},
-                                         params=params, follow_redirects=True, timeout=READ_TIMEOUT_S)
-        if response.status_code == 404:
-            raise FileNotFoundError(url)
-        hf_raise_for_status(response)
-        return response
+        with get_session().stream(method, url, headers={**build_hf_headers(), **(headers or {})}, params=params,
+                                  follow_redirects=True, timeout=READ_TIMEOUT_S) as response:
+            if response.status_code >= 400:
+                response.read()  # the error's body, for its message
+                if response.status_code == 404:
+                    raise FileNotFoundError(url)
+                hf_raise_for_status(response)
+            yield response
 
     def _name(self, path: str) -> str:
         return path[len(self.base(self.repo_id, self.commit)) + 1:]
@@ -89,7 +95,8 @@ class HubFiles:
         url = f"{constants.ENDPOINT}/api/models/{self.repo_id}/tree/{self.commit}"
         found, params = [], {"recursive": "false", "expand": "false"}
         while url:
-            response = self._get(url, params=params)
+            with self._answer(url, params=params) as response:
+                response.read()
             found += [{"name": f"{path}/{entry['path']}", "type": entry.get("type"), "size": entry.get("size")}
                       for entry in response.json()  # the top level only, whatever the server sends
                       if isinstance(entry, dict) and "/" not in str(entry.get("path", "/"))]
@@ -97,27 +104,16 @@ class HubFiles:
         return found
 
     def info(self, path: str) -> dict:
-        response = self._get(self._url(path), method="HEAD")
+        with self._answer(self._url(path), method="HEAD") as response:
+            pass
         size = response.headers.get("X-Linked-Size") or response.headers.get("Content-Length")
         return {"name": path, "type": "file", "size": int(size or 0)}
-
-    def cat_file(self, path: str, start: int, end: int) -> bytes:
-        return self._get(self._url(path), headers={"Range": f"bytes={start}-{end - 1}"}).content
 
     def cat_into(self, path: str, start: int, view: memoryview) -> int:
         """Bytes `[start, start + len(view))` of `path` into `view` as the answer's body arrives, in one ranged
         request (no body joined into `bytes` first); the bytes the answer has (more than `len(view)`: a server that
         ignored the range, whose body is not read past the view)."""
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
-        headers = {**build_hf_headers(), "Range": f"bytes={start}-{start + len(view) - 1}"}
-        with get_session().stream("GET", self._url(path), headers=headers, follow_redirects=True,
-                                  timeout=READ_TIMEOUT_S) as response:
-            if response.status_code >= 400:
-                response.read()  # the error's body, for its message
-                if response.status_code == 404:
-                    raise FileNotFoundError(self._url(path))
-                hf_raise_for_status(response)
+        with self._answer(self._url(path), headers={"Range": f"bytes={start}-{start + len(view) - 1}"}) as response:
             got = 0
             for chunk in response.iter_bytes():
                 if got + len(chunk) > len(view):

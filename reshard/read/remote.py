@@ -49,12 +49,12 @@ class RemoteStore(Store):
         fs: the file system (`s3fs.S3FileSystem`, `reshard.read.hub.HubFiles`).
         base: the prefix, in the file system's own spelling (`bucket/prefix`, `org/name@commit`).
         location: the URL messages show (`s3://bucket/prefix`).
-        read_options: passed to `cat_file`: whatever makes it one exact ranged request on this back end.
+
+    A back end says how one ranged request fills a buffer (`_get_into`).
     """
 
-    def __init__(self, fs, base: str, location: str, *, read_options: dict | None = None):
+    def __init__(self, fs, base: str, location: str):
         self.fs, self.base, self.location = fs, base.rstrip("/"), location.rstrip("/")
-        self.read_options = read_options or {}  # what makes `cat_file` one exact ranged request on this back end
         self.requests = 0
         self.fetched = 0  # bytes of data received (every whole answer), for the per-node report
         self._sizes: dict[str, int] | None = None
@@ -155,11 +155,8 @@ class RemoteStore(Store):
 
     def _get_into(self, name: str, path: str, start: int, view: memoryview) -> int:
         """Bytes `[start, start + len(view))` of the object at `path` into `view`, in one request; the bytes the
-        answer has (more than `len(view)`: nothing is written)."""
-        data = self.fs.cat_file(path, start=start, end=start + len(view), **self.read_options)
-        if len(data) == len(view):
-            view[:] = data
-        return len(data)
+        answer has (more than `len(view)`: a server that ignored the range, whose bytes are not kept)."""
+        raise NotImplementedError
 
 
 class S3Store(RemoteStore):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, UsageError
 from ..manifest import MANIFEST_NAME, SHARD_FILE_NAME, Manifest, read_manifest
-from .checkpoint import CheckpointIndex, checkpoint_index
+from .checkpoint import CheckpointIndex, Kind, checkpoint_index
 from .hub import cache_repo_of, hub_store
 from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, S3Store
 from .store import LocalStore, Store
@@ -45,14 +45,6 @@ class Where(str, Enum):
     HUB = "hub"
     HUB_STREAM = "hub-stream"
     S3 = "s3"
-
-
-class Kind(str, Enum):
-    """What a source holds."""
-
-    CHECKPOINT = "checkpoint"  # safetensors weights under their on-disk keys (an HF checkpoint, maybe quantized)
-    RESHARD = "reshard"  # a `reshard write` folder
-    SAVED = "saved"  # a `save_pretrained(..., distributed_checkpoint=True)` folder
 
 
 @dataclass(frozen=True)

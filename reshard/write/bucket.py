@@ -34,7 +34,6 @@ from ..manifest import MANIFEST_NAME
 from ..read.checkpoint import INDEX_NAME
 from ..read.remote import ATTEMPTS, BACKOFF_S, READ_TIMEOUT_S, transient
 from ..words import plural
-from . import files
 
 # S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold. RESHARD_S3_PART_MIB sets
 # another (5 at least): smaller parts spread a merge across nodes more evenly (`reshard.write.spread`)
@@ -220,13 +219,11 @@ class Uploads:
 
     @contextmanager
     def spooling(self):
-        """The spool folder, whose files `reshard.write.files` hands to `send_later` once whole; removed after."""
+        """The spool folder, whose files the writer hands to `send_later` once whole; removed after."""
         self.spool = Path(tempfile.mkdtemp(prefix="reshard-upload-"))
-        files.finished_hooks[self.spool] = self.send_later
         try:
             yield self.spool
         finally:
-            files.finished_hooks.pop(self.spool, None)
             shutil.rmtree(self.spool, ignore_errors=True)
 
     def send_later(self, path: Path) -> None:
@@ -325,6 +322,7 @@ class BucketOutput:
         refuse_occupied(self.bucket, self.existing, overwrite)
         self.total = 0
         self.uploads = Uploads(self.bucket)
+        self.on_file = self.uploads.send_later  # each file of the writer's spool is sent once whole
         self.tmp: Path | None = None
         self.adopted: dict[str, tuple[str, list[dict]]] = {}  # other ranks' open uploads, to complete or abort
         self.completed: list[str] = []  # objects this write completed or put

@@ -316,7 +316,8 @@ class _Rank:
         self.uploads = self.stage.uploads if self.stage is not None else Uploads(Bucket(str(self.out)))
         counter = StoreProgress(self.ranks)
         with self.uploads.spooling() as spool:
-            pairs = job.write_units(spool, share, progress=counter, source_crcs=source_crcs)
+            pairs = job.write_units(spool, share, progress=counter, source_crcs=source_crcs,
+                                    on_file=self.uploads.send_later)
             records = self.uploads.wait()  # every file sent before the spool goes
         counter.flush()
         self.records = records if self.stage is None else None

@@ -13,15 +13,10 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Callable
 
 from ..plan.files import ChunkSpec
 from ..runs.engine import Engine
 from ..syscalls import libc_function
-
-
-# Folders whose files go elsewhere once whole: a bucket output's spool (`reshard.write.bucket`) sends each at once.
-finished_hooks: dict[Path, Callable[[Path], None]] = {}
 
 
 def safetensors_header(chunks: list, metadata: dict[str, str]) -> bytes:
@@ -49,9 +44,6 @@ def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata
         crc = engine.fill(fd, header, boxes, checksum=checksum)
     finally:
         os.close(fd)
-    hook = finished_hooks.get(path.parent)
-    if hook is not None:
-        hook(path)
     return crc
 
 
@@ -59,11 +51,11 @@ def write_safetensors(path: Path, chunks: list[ChunkSpec], boxes: list, metadata
 _FILES_AT_ONCE = 64
 
 
-def files_at_once(engine: Engine, folder: Path) -> int:
-    """How many files written into `folder` the engine fills together: from a remote source, `_FILES_AT_ONCE` (each
-    source range is then fetched once for them all); one at a time from a local source, whose kernel copy gains
-    nothing, and into a bucket output's spool, which sends each file as soon as it is whole."""
-    return _FILES_AT_ONCE if engine.fetches and folder not in finished_hooks else 1
+def files_at_once(engine: Engine, on_file) -> int:
+    """How many files the engine fills together: from a remote source, `_FILES_AT_ONCE` (each source range is then
+    fetched once for them all); one at a time from a local source, whose kernel copy gains nothing, and where each
+    file goes on as soon as it is whole (`on_file`: a bucket output's spool sends it)."""
+    return _FILES_AT_ONCE if engine.fetches and on_file is None else 1
 
 
 def write_safetensors_together(files: list[tuple[Path, bytes, list]], engine: Engine, *,

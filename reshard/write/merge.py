@@ -28,7 +28,7 @@ from ..plan.dtypes import DTYPE_BITS
 from ..plan.files import ChunkSpec, split_parts
 from ..plan.layout import MergeLayout, ModelLayout, TargetTensor
 from ..plan.placement import Box
-from ..read.checkpoint import INDEX_NAME
+from ..read.checkpoint import INDEX_NAME, Kind
 from ..read.dcp_source import DcpIndex
 from ..runs.engine import Engine
 from ..runs.source_check import SourceCrcs
@@ -194,7 +194,7 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
     not load, absent from a saved folder and from a reshard folder written with `--drop-unloaded`."""
     if layout.extras:
         return None
-    if index.kind == "reshard":
+    if index.kind is Kind.RESHARD:
         dropped = index.manifest.dropped_unloaded
         if not dropped:
             return None
@@ -278,10 +278,10 @@ class MergeJob:
         return sum(self.unit_sizes) + sum(self.index.store.size(name) for name in self.copied)
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
-                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, MergedFile]]:
+                    source_crcs: SourceCrcs | None = None, on_file=None) -> list[tuple[int, MergedFile]]:
         units = list(units)
         engine = Engine(self.index, progress, source_crcs, planned_bytes=sum(self.unit_sizes[u] for u in units))
-        entries, at_once = [], files_at_once(engine, tmp)
+        entries, at_once = [], files_at_once(engine, on_file)
         try:
             for first in range(0, len(units), at_once):
                 group = units[first:first + at_once]
@@ -289,6 +289,8 @@ class MergeJob:
                 for unit in group:
                     if fsync:
                         fsync_path(tmp / self.names[unit])
+                    if on_file is not None:
+                        on_file(tmp / self.names[unit])
                     entries.append(self.entry(unit))
             engine.finish()  # without `source_crcs`: a damaged source file is refused before anything is kept
         finally:
@@ -339,8 +341,6 @@ def merge_job(source, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
     Raises:
         CheckpointError: `source` is a checkpoint, not a folder in the distributed-checkpoint layout.
     """
-    from ..read.source import Kind
-
     if source.kind is Kind.CHECKPOINT:
         raise CheckpointError(f"{source.spec}: neither a reshard folder (`reshard write`) nor a folder saved by "
                               "transformers' save_pretrained(..., distributed_checkpoint=True): no reshard.json and no "

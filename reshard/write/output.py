@@ -45,10 +45,11 @@ class _OutputJob(Protocol):
         """Bytes the whole output needs (the free-space check)."""
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
-                    source_crcs: SourceCrcs | None = None) -> list[tuple]:
+                    source_crcs: SourceCrcs | None = None, on_file=None) -> list[tuple]:
         """Write the files of `units` into `tmp`: `(unit, file entry)` each, in unit then part order, the entry typed
         (a write's `reshard.manifest.FileEntry`, a merge's `reshard.write.merge_index.MergedFile`). The CRC-32s
-        of the source ranges read go to `source_crcs` (None: checked here, before returning)."""
+        of the source ranges read go to `source_crcs` (None: checked here, before returning). `on_file` is called
+        with each file's path once it is whole (the output's own `on_file`: a bucket's spool sends it then)."""
 
     def finish(self, tmp: Path, entries: list, out: Path, source_crcs: SourceCrcs):
         """Complete `tmp`, the temporary folder of `out`, from every file entry (in unit order): the rest of its
@@ -158,7 +159,8 @@ def write_output(job: _OutputJob, out, *, overwrite: bool = False, progress: boo
                 if workers > 1:
                     pairs = write_with_workers(job, tmp, workers, source_crcs, progress=bar)
                 else:
-                    pairs = job.write_units(tmp, job.units, progress=bar, source_crcs=source_crcs)
+                    pairs = job.write_units(tmp, job.units, progress=bar, source_crcs=source_crcs,
+                                            on_file=stage.on_file)
                 result = job.finish(tmp, in_unit_order(pairs), stage.out, source_crcs)
                 source_crcs.check()  # a damaged source file is refused before the output is put in place
                 stage.complete()

@@ -74,7 +74,8 @@ def _coordinate_files(plan: ReshardPlan, tmp: Path, coords, max_shard_size: int 
 
 def _write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coords, *,
                       max_shard_size: int | None = None, progress=None, fsync: bool = False,
-                      source_crcs: SourceCrcs | None = None, planned_bytes: int | None = None) -> list[FileEntry]:
+                      source_crcs: SourceCrcs | None = None, planned_bytes: int | None = None,
+                      on_file=None) -> list[FileEntry]:
     """Write the files of the coordinates `coords` into the folder `tmp` and return their manifest entries.
 
     The one step every writer runs on its share: the in-process write (all coordinates), each worker process of
@@ -88,25 +89,27 @@ def _write_coordinates(plan: ReshardPlan, index: CheckpointIndex, tmp: Path, coo
         source_crcs: where the CRC-32s of the source ranges read go, for the process that completes the output;
             None: the source files read are checked here.
         planned_bytes: the data of these coordinates' files, when known (how the engine writes large files).
+        on_file: called with each file's path once it is whole (and flushed), or None.
 
     Returns:
         One entry per file, in coordinate then part order.
     """
     engine = Engine(index, progress, source_crcs, planned_bytes=planned_bytes)
-    files, paths = [], []
+    files = []
     try:
         items = list(_coordinate_files(plan, tmp, coords, max_shard_size))
-        at_once = files_at_once(engine, tmp)
+        at_once = files_at_once(engine, on_file)
         for first in range(0, len(items), at_once):
             group = items[first:first + at_once]
             files += _write_rank_files(group, engine)
-            paths += [path for _, path, _ in group]
+            for _, path, _ in group:
+                if fsync:
+                    fsync_path(path)
+                if on_file is not None:
+                    on_file(path)
         engine.finish()
     finally:
         engine.close()
-    if fsync:
-        for path in paths:
-            fsync_path(path)
     return files
 
 
@@ -218,11 +221,11 @@ class WriteJob:
                 + sum(self.index.store.size(name) for name in self.copied))
 
     def write_units(self, tmp: Path, units, *, progress=None, fsync: bool = False,
-                    source_crcs: SourceCrcs | None = None) -> list[tuple[int, FileEntry]]:
+                    source_crcs: SourceCrcs | None = None, on_file=None) -> list[tuple[int, FileEntry]]:
         units = list(units)
         files = _write_coordinates(self.plan, self.index, tmp, units, max_shard_size=self.max_shard_size,
                                   progress=progress, fsync=fsync, source_crcs=source_crcs,
-                                  planned_bytes=sum(self.unit_sizes[u] for u in units))
+                                  planned_bytes=sum(self.unit_sizes[u] for u in units), on_file=on_file)
         return [(entry.coord, entry) for entry in files]
 
     def finish(self, tmp: Path, entries: list[FileEntry], out: Path, source_crcs: SourceCrcs) -> Manifest:

@@ -137,8 +137,9 @@ class _PartSender:
         return {name: (self.uploads[name], list(parts)) for name, parts in self.parts.items()}
 
     def stop(self) -> None:
-        """No part starts or is tried again after this returns (an aborted upload must stay aborted)."""
-        self.bucket.stop.set()
+        """No part starts or is tried again after this returns (an aborted upload must stay aborted); the parts under
+        way end now (one the server holds must not keep an interrupted rank waiting)."""
+        self.bucket.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -186,6 +187,7 @@ def upload_parts(ranks, nodes, job, store, folder, uploads: dict[str, str], url:
     def read(file: str, start: int, view: memoryview) -> None:  # an `--extras-from` file: through the job's store
         (reader if file in store.files else job.index.store).readinto(file, start, view)
 
+    interrupted = False
     try:
         files = {f.name: f for f in (OutputFile.of(job, unit) for unit in job.units)}
         holders = (lambda file: store.files[file].nodes if file in store.files else range(len(nodes.ranks)))
@@ -194,13 +196,19 @@ def upload_parts(ranks, nodes, job, store, folder, uploads: dict[str, str], url:
                 sender.send(part, _fill_part(part, files[part.name], read, source_crcs))
                 progress.update(part.size)
         return sender.records()
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         sender.stop()
         _count_out(ranks)
-        peers.done()  # only now: this rank asks no node for bytes any more
-        failure = serving.join()
-        if failure is not None:
-            raise OSError(failure)
+        # Interrupted, this rank says goodbye to no peer: they are likely interrupted too, and would not answer
+        # (each goodbye waits REPLY_S); it leaves the job instead, which ends every peer's wait at once.
+        if not interrupted:
+            peers.done()  # only now: this rank asks no node for bytes any more
+            failure = serving.join()
+            if failure is not None:
+                raise OSError(failure)
 
 
 def _count_out(ranks) -> None:

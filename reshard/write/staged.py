@@ -111,6 +111,8 @@ class StagedOutput:
         rule: which existing OUT may be replaced.
     """
 
+    on_file = None  # files stay in `tmp` until `complete()` (a bucket output sends each once whole)
+
     def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = _RESHARD_OUTPUT):
         self.out, self.overwrite, self.rule = Path(out).resolve(), overwrite, rule
         self.tmp = self.out.parent / f".{self.out.name}{_TMP_MARK}{os.getpid()}"
