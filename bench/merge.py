@@ -130,8 +130,7 @@ def main() -> None:
         print(f"peak RSS: {big:.0f} MiB at {total / GB:.2f} GB, {small:.0f} MiB at {small_total / GB:.2f} GB "
               f"(small merge {small_wall:.2f} s)")
     finally:
-        if not args.keep:
-            wb.remove(work)
+        wb.keep_or_remove(work, args.keep)
 
 
 if __name__ == "__main__":

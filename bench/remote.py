@@ -535,10 +535,7 @@ def main() -> None:
                 bench.load(f"s3://{bench.bucket}/folder", "s3", "folder", architecture, profile=True)
     finally:
         server.stop()
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            wb.remove(work)
+        wb.keep_or_remove(work, args.keep)
 
 
 if __name__ == "__main__":

@@ -268,10 +268,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.shutdown()
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            wb.remove(work)
+        wb.keep_or_remove(work, args.keep)
 
 
 if __name__ == "__main__":

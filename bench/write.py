@@ -200,6 +200,14 @@ def remove(path: Path) -> None:
         subprocess.run(["sync"], check=True)
 
 
+def keep_or_remove(work: Path, keep: bool) -> None:
+    """A bench's generated folder at its end: kept (`--keep`, and said) or removed."""
+    if keep:
+        print(f"kept {work}")
+    else:
+        remove(work)
+
+
 def warm(path: Path) -> None:
     for p in sorted(path.iterdir()):
         with open(p, "rb", buffering=0) as f:
@@ -390,10 +398,7 @@ def main() -> None:
         elif rss_full:
             print(f"  write peak RSS: {rss_full / 1024:.0f} MiB")
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        keep_or_remove(work, args.keep)
 
 
 if __name__ == "__main__":

@@ -188,10 +188,7 @@ def main() -> None:
                   f"peak RSS per process (MiB): {roles}")
         print("  every reshard output had the same reshard.json (files, sizes, CRC-32s)")
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        base.keep_or_remove(work, args.keep)
 
 
 if __name__ == "__main__":
