@@ -30,6 +30,7 @@ import functools
 import os
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from ..manifest import MANIFEST_NAME
 from .progress import current
@@ -45,18 +46,26 @@ _checksums: contextvars.ContextVar[bool] = contextvars.ContextVar("reshard_check
 # Set while a reshard folder loads through transformers' distributed-checkpoint path.
 _dcp_path: contextvars.ContextVar[bool] = contextvars.ContextVar("reshard_dcp_path", default=False)
 
-_lock = threading.Lock()
-_originals: dict[tuple[object, str], object] = {}
-_user_installed = False  # patch_transformers() was called: reshard.from_pretrained leaves the hooks in place
+
+@dataclass
+class _Installed:
+    """The loader patch's one record, its only state: what it replaced, and whether the user installed it."""
+
+    originals: dict[tuple[object, str], object] = field(default_factory=dict)
+    by_user: bool = False  # patch_transformers() was called: reshard.from_pretrained leaves the hooks in place
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_INSTALLED = _Installed()
 
 
 def _set(owner, name: str, value) -> None:
-    _originals.setdefault((owner, name), owner.__dict__[name])
+    _INSTALLED.originals.setdefault((owner, name), owner.__dict__[name])
     setattr(owner, name, value)
 
 
 def is_patched() -> bool:
-    return bool(_originals)
+    return bool(_INSTALLED.originals)
 
 
 def patch_transformers() -> "_Unpatch":
@@ -76,9 +85,8 @@ def patch_transformers() -> "_Unpatch":
         >>> with reshard.patch_transformers():  # doctest: +SKIP
         ...     model = AutoModelForCausalLM.from_pretrained(out)
     """
-    global _user_installed
     install()
-    _user_installed = True
+    _INSTALLED.by_user = True
     return _Unpatch()
 
 
@@ -87,8 +95,8 @@ def install() -> bool:
     from .hooks import require_hooks
 
     require_hooks()
-    with _lock:
-        if _originals:
+    with _INSTALLED.lock:
+        if _INSTALLED.originals:
             return False
         import transformers.core_model_loading as cml
         import transformers.distributed.fsdp as fsdp
@@ -114,18 +122,17 @@ def install() -> bool:
 
 def uninstall_unless_user() -> None:
     """Remove the hooks unless the user installed them with `patch_transformers()` (then they stay)."""
-    if not _user_installed:
+    if not _INSTALLED.by_user:
         unpatch_transformers()
 
 
 def unpatch_transformers() -> None:
     """Restore every function `patch_transformers` replaced (idempotent)."""
-    global _user_installed
-    with _lock:
-        for (owner, name), original in _originals.items():
+    with _INSTALLED.lock:
+        for (owner, name), original in _INSTALLED.originals.items():
             setattr(owner, name, original)
-        _originals.clear()
-        _user_installed = False
+        _INSTALLED.originals.clear()
+        _INSTALLED.by_user = False
 
 
 class _Unpatch:
@@ -236,7 +243,7 @@ def _move_only_meta_to_device(self, missing_keys, device_map, device_mesh, hf_qu
 
     from .replacement import same_device
 
-    original = _originals[(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device")]
+    original = _INSTALLED.originals[(mu.PreTrainedModel, "_move_missing_keys_from_meta_to_device")]
     if (mu.is_deepspeed_zero3_enabled() and hf_quantizer is None) or (
             _ram_efficient_non_rank_0(mu) and hf_quantizer is None and _active_manifest.get() is None):
         return original(self, missing_keys, device_map, device_mesh, hf_quantizer)
