@@ -118,11 +118,11 @@ def compute_only(src: str) -> None:
     """Compute every dequantized chunk of the fsdp-8 plan without writing; print the rate per CPU second."""
     import torch
 
-    from reshard.read.source import open_source
-    from reshard.runs.dequant import Dequantizer
-    from reshard.plan.mesh import MeshSpec
-    from reshard.plan.placement import make_plan
-    from reshard.plan.files import coordinate_chunks
+    from reshard.read import open_source
+    from reshard.runs import Dequantizer
+    from reshard.plan import MeshSpec
+    from reshard.plan import make_plan
+    from reshard.plan import coordinate_chunks
 
     torch.set_num_threads(1)
     opened = open_source(src)

@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     args = parser.parse_args()
     from reshard.api import write_checkpoint
-    from reshard.plan.mesh import MeshSpec
+    from reshard.plan import MeshSpec
     from reshard.tiny import make_tiny_checkpoint
 
     print("| fault | what every rank raises (abridged) | exit codes | seconds to exit, per rank |")

@@ -150,9 +150,9 @@ def install_phases(mode: str, model_cls) -> None:
          "adjust_generation_fn (generation config)"),
     ]
     if mode != "stock":
-        import reshard.load.agreement as agreement
-        import reshard.load.loader as rl
-        import reshard.load.storage as storage
+        import reshard.load._agreement as agreement
+        import reshard.load._loader as rl
+        import reshard.load._storage as storage
 
         targets += [
             (agreement, "read_manifest", "reshard: read_manifest"),
@@ -255,7 +255,7 @@ def install_read_counter() -> ReadCounter:
 # ---- reshard's own-file reads -------------------------------------------------------------------------------
 
 class _CountedFile:
-    """A file `reshard.load.storage` opened: every byte read through it is counted (headers included)."""
+    """A file `reshard.load._storage` opened: every byte read through it is counted (headers included)."""
 
     def __init__(self, inner, name, counter):
         self._inner, self._name, self._counter = inner, name, counter
@@ -283,7 +283,7 @@ class _CountedFile:
 def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
     """Count what `reshard.StorageReader` reads (every file it opens, every byte); for `reshard-dcp`, give
     transformers back its own distributed-checkpoint load."""
-    import reshard.load.storage as storage
+    import reshard.load._storage as storage
 
     open_file = storage._open
 
@@ -295,7 +295,7 @@ def install_reshard_reads(mode: str, counter: ReadCounter) -> None:
     if mode == "reshard-dcp":
         import transformers.distributed.mixin as mixin
 
-        import reshard.load.patch as patch
+        import reshard.load._patch as patch
 
         mixin._load_model_checkpoint_distributed = patch._originals[(mixin, "_load_model_checkpoint_distributed")]
 
@@ -324,7 +324,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     if mode != "stock":
         import reshard
-        import reshard.load.loader  # noqa: F401  (what reshard.from_pretrained imports on first use)
+        import reshard.load._loader  # noqa: F401  (what reshard.from_pretrained imports on first use)
 
         reshard.patch_transformers()  # idempotent: installed now so the phase timers wrap the patched functions
     config = AutoConfig.from_pretrained(folder)

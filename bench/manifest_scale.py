@@ -47,11 +47,11 @@ def main() -> None:
 
     from plan_scale import GLM46_CONFIG, write_sparse_checkpoint
 
-    from reshard.read.source import open_source
+    from reshard.read import open_source
     from reshard.manifest import FileEntry, Manifest, build_manifest, coverage_problems
-    from reshard.plan.mesh import MeshSpec
-    from reshard.plan.placement import local_box, make_plan
-    from reshard.plan.files import coordinate_chunks, coordinate_sizes
+    from reshard.plan import MeshSpec
+    from reshard.plan import local_box, make_plan
+    from reshard.plan import coordinate_chunks, coordinate_sizes
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["RESHARD_CACHE_DIR"] = ""  # no layout cache: the layout is built here, once

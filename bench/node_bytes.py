@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     from plan_scale import GLM46_CONFIG, write_sparse_checkpoint
 
     from reshard import MeshSpec
-    from reshard.plan.placement import make_plan
-    from reshard.plan.ranks import RankSpans
-    from reshard.read.source import open_source
-    from reshard.write.shards import WriteJob
+    from reshard.plan import make_plan
+    from reshard.plan import RankSpans
+    from reshard.read import open_source
+    from reshard.write import WriteJob
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=8)

@@ -248,15 +248,15 @@ def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> tuple[list, l
         return value
 
     def imports():
-        for module in ("torch", "transformers", "reshard.plan.report", "reshard.read.experts"):
+        for module in ("torch", "transformers", "reshard.plan._report", "reshard.read._experts"):
             importlib.import_module(module)
 
     timed("import torch, transformers", imports)
-    from reshard.read.source import read_checkpoint
-    from reshard.read.experts import _gc_paused, build_meta_model, layout_from_model
-    from reshard.plan.mesh import MeshSpec
-    from reshard.plan.placement import make_plan, summarize
-    from reshard.plan.report import plan_to_dict
+    from reshard.read._source import read_checkpoint
+    from reshard.read._experts import _gc_paused, build_meta_model, layout_from_model
+    from reshard.plan import MeshSpec
+    from reshard.plan import make_plan, summarize
+    from reshard.plan import plan_to_dict
 
     index = timed("read_checkpoint (headers)", lambda: read_checkpoint(folder))
     with _gc_paused(freeze=True):  # as find_experts runs them in a process that had not imported torch
@@ -272,7 +272,7 @@ def in_process(folder: Path, fsdp: int, ep: int, profile: bool) -> tuple[list, l
     # where the time goes: accumulate the time spent inside a few functions (a warm second pass)
     import transformers.core_model_loading as cml
 
-    from reshard.read import checkpoint, experts
+    from reshard.read import _checkpoint as checkpoint, _experts as experts
 
     targets = [(checkpoint, "_checked_file_names"), (checkpoint, "header_of"), (cml, "dot_natural_key"),
                (cml, "rename_source_key"), (experts, "compose_pieces"), (experts, "expert_param_names")]

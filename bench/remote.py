@@ -93,8 +93,8 @@ RAW_UPLOAD = """
 import os, sys
 from concurrent.futures import ThreadPoolExecutor
 import s3fs
-from reshard.read.source import s3_filesystem
-from reshard.write.bucket import PARTS_IN_FLIGHT, part_bytes
+from reshard.read._source import s3_filesystem
+from reshard.write._bucket import PARTS_IN_FLIGHT, part_bytes
 folder, url = sys.argv[1], sys.argv[2]
 bucket, prefix = url.split("://", 1)[1].split("/", 1)
 fs = s3_filesystem(s3fs)
@@ -423,7 +423,7 @@ def profile_write(bench: Bench, src_url: str) -> None:
     os.environ.update(bench.client_env(direct=True))
     sys.path.insert(0, str(wb.REPO))
     from reshard.api import write_checkpoint
-    from reshard.plan.mesh import MeshSpec
+    from reshard.plan import MeshSpec
 
     out = bench.work / "out-profile"
     start, cpu = time.perf_counter(), time.process_time()

@@ -51,7 +51,7 @@ sys.path.insert(0, str(BENCH.parent))  # this checkout's reshard, whatever is in
 import write as wb  # noqa: E402  (bench/write.py: the generator and the timing helpers)
 from remote import alternate, med, pairs, self_cpu  # noqa: E402  (bench/remote.py: the S3 bench's helpers)
 import hub_server  # noqa: E402
-from reshard.read.store import HEADER_PROBE  # noqa: E402  (a remote header is read with one probe of this many bytes)
+from reshard.read import HEADER_PROBE  # noqa: E402  (a remote header is read with one probe of this many bytes)
 
 GB = 10**9
 REPO = "bench/moe"

@@ -76,7 +76,7 @@ def main() -> None:
     import transformers
 
     import reshard
-    import reshard.load.loader  # noqa: F401  (what from_pretrained imports on first use)
+    import reshard.load._loader  # noqa: F401  (what from_pretrained imports on first use)
 
     getattr(transformers, architecture)  # the lazy import of the modeling module, outside the timed load
     if folder.startswith("s3://"):

@@ -266,7 +266,7 @@ def profile_write(src: Path, work: Path, fsdp: int) -> None:
 
     sys.path.insert(0, str(REPO))
     from reshard.api import write_checkpoint
-    from reshard.plan.mesh import MeshSpec
+    from reshard.plan import MeshSpec
 
     out = work / "out-profile"
     profiler = cProfile.Profile()

@@ -16,7 +16,7 @@ def _count_reads():
     path), or torch's where something loads with it."""
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-    from reshard.load.storage import StorageReader
+    from reshard.load import StorageReader
 
     seen = {"files": set(), "bytes": 0}
 

@@ -1,4 +1,4 @@
-"""The library's entry layer: one function per command, each opening its sources through `reshard.read.source` and
+"""The library's entry layer: one function per command, each opening its sources through `reshard.read._source` and
 returning a frozen result (`reshard.results`) whose `to_json()` is the command's `--json` document and whose
 `summary()` is what it prints. The CLI parses flags, calls one of these and prints.
 """
@@ -9,11 +9,8 @@ import os
 import shlex
 
 from .errors import ArchitectureError, UsageError
-from .plan.mesh import MeshSpec
-from .plan.placement import LayoutMode, make_plan
-from .plan.ranks import RankSpans
-from .read.quant import OUTPUT_DTYPES
-from .read.source import DISTRIBUTED, Kind, is_url, open_source
+from .plan import LayoutMode, MeshSpec, RankSpans, make_plan
+from .read import DISTRIBUTED, Kind, OUTPUT_DTYPES, is_url, open_source
 from .results import EnvResult, FilesResult, MergeResult, PlanResult, ServedResult, VerifyResult, WriteResult
 
 
@@ -22,7 +19,7 @@ def plan_checkpoint(source, mesh: MeshSpec, *, mode: LayoutMode | str = LayoutMo
     """Read `source`'s metadata (never tensor data), find its experts and plan it on `mesh`: what `reshard plan` runs.
 
     Args:
-        source: anything `reshard.read.source.open_source` opens (a folder, a cache snapshot, a Hub repo id, an
+        source: anything `reshard.read.open_source` opens (a folder, a cache snapshot, a Hub repo id, an
             `s3://` URL, a reshard or saved folder).
         mesh: the target mesh.
         mode: `balanced` or `stock`.
@@ -63,7 +60,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     `workers`.
 
     Args:
-        source: anything `reshard.read.source.open_source` opens; a reshard or saved folder goes from mesh to mesh.
+        source: anything `reshard.read.open_source` opens; a reshard or saved folder goes from mesh to mesh.
         out: the output folder, on a local or shared file system (a URL is refused); it appears only when complete.
         mesh: the target mesh (`reshard.MeshSpec`).
         mode: `balanced` (default) or `stock`.
@@ -72,12 +69,12 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         overwrite: replace an existing `out` (only an empty folder or a complete reshard output).
         max_shard_size: split each rank's data into files of at most this many bytes.
         progress: a progress bar on stderr (None: when stderr is a terminal).
-        workers: processes writing in parallel on this machine (`reshard.write.workers`); 1 writes in this process,
-            None picks `reshard.write.workers.default_workers`. Above 1, call this under
+        workers: processes writing in parallel on this machine (`reshard.write._workers`); 1 writes in this process,
+            None picks `reshard.write._workers.default_workers`. Above 1, call this under
             `if __name__ == "__main__":` (the workers are spawned). Not with `distributed`.
         distributed: this process is one rank of a job (torchrun) and every rank calls this with the same
             arguments: each reads `source` on its own node and writes its share of the files into `out`, on a file
-            system they all share (`reshard.write.distributed`). None (default): when the launcher's environment
+            system they all share (`reshard.write._distributed`). None (default): when the launcher's environment
             says so (`RANK`, `LOCAL_RANK`, `WORLD_SIZE` > 1), as `reshard write` and `reshard.from_pretrained` decide.
         dequantize: `bf16` to write a quantized source (FP8 block-scaled, MXFP4) as bf16 rank files in one pass;
             required for such a source, ignored for any other.
@@ -103,11 +100,8 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     Example:
         >>> reshard.write_checkpoint("./Mixtral-8x7B", "./mixtral-fsdp5", reshard.MeshSpec(fsdp=5))
     """
-    from .plan.files import check_max_shard_size
-    from .write.peers import Listing
-    from .write.runner import run_job
-    from .write.shards import WriteJob
-    from .write.staged import check_url_output, refuse_empty_output
+    from .plan import check_max_shard_size
+    from .write import Listing, WriteJob, check_url_output, refuse_empty_output, run_job
 
     refuse_empty_output(out, "OUT")
     check_url_output(out, "OUT", overwrite)
@@ -144,7 +138,7 @@ def _plan_for_write(opened, mesh: MeshSpec, mode, dequantize: str | None, drop_u
             raise UsageError(f"{opened.spec} is quantized ({index.quantization.describe()}); FSDP2 trains bf16 "
                              "weights, so pass --dequantize bf16 to write bf16 rank files in one pass "
                              "(reshard.write_checkpoint(..., dequantize='bf16')).")
-        from .runs.dequant import check_decodable
+        from .runs import check_decodable
 
         check_decodable(index)
     layout = opened.model_layout()
@@ -183,7 +177,7 @@ def verify(out, *, against=None, revision: str | None = None, checksums: bool = 
         VerifyError: listing every problem found, one per line.
     """
     from .errors import VerifyError
-    from .read.source import open_folder
+    from .read import open_folder
 
     # opened once; an unsound manifest raises its own ManifestError before any file is read
     result = verify_folder(open_folder(out, need_manifest=False), against=against, revision=revision,
@@ -195,20 +189,19 @@ def verify(out, *, against=None, revision: str | None = None, checksums: bool = 
 
 def read_manifest(folder):
     """The validated manifest (`reshard.manifest.Manifest`) of the reshard folder `folder`: a local path or a URL,
-    opened as every command opens one (`reshard.read.source.open_folder`), or a store already open.
+    opened as every command opens one (`reshard.read.open_folder`), or a store already open.
 
     Raises:
         ManifestError: its `reshard.json` is missing, not a regular file, unreadable or unsound.
     """
     from .manifest import read_manifest as read_of_store
-    from .read.source import open_folder
-    from .read.store import Store
+    from .read import Store, open_folder
 
     return read_of_store(folder) if isinstance(folder, Store) else open_folder(folder).manifest
 
 
 def list_files(out, ranks) -> FilesResult:
-    """What `ranks` (a `reshard.plan.ranks.RankSpans`, or ranks) need to load the reshard folder `out`, relative to it:
+    """What `ranks` (a `reshard.plan.RankSpans`, or ranks) need to load the reshard folder `out`, relative to it:
     what `reshard files` runs.
 
     Raises:
@@ -216,8 +209,8 @@ def list_files(out, ranks) -> FilesResult:
         UsageError: a rank outside the folder's mesh (nothing is expanded then), or one whose files a node's copy
             does not hold.
     """
-    from .plan.ranks import RankSpans
-    from .read.source import open_folder
+    from .plan import RankSpans
+    from .read import open_folder
 
     opened = open_folder(out)
     store, manifest = opened.store, opened.manifest
@@ -279,11 +272,9 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     Example:
         >>> reshard.merge_checkpoint("ckpt-step1000", "published")  # doctest: +SKIP
     """
-    from .plan.files import check_max_shard_size
-    from .write.merge import DEFAULT_MAX_SHARD_SIZE, merge_job
-    from .write.peers import Listing
-    from .write.runner import run_job
-    from .write.staged import check_url_output, refuse_empty_output
+    from .plan import check_max_shard_size
+    from .write import (DEFAULT_MAX_SHARD_SIZE, Listing, check_url_output, left_out, merge_job, refuse_empty_output,
+                        run_job)
 
     refuse_empty_output(dest, "DEST")
     check_url_output(dest, "DEST", overwrite)
@@ -300,7 +291,6 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     if job is None:  # another rank; the first rank of a node that served its files to node 0 says so
         return None if finished is None else ServedResult(finished.copy.node, str(source), str(dest),
                                                           finished.copy.files, finished.copy.bytes)
-    from .write.merge import left_out
 
     # node-local, SRC on node 0 holds node 0's ranks only: the next line compares with the original checkpoint the
     # folder was written from, where its manifest records one (a training save records none: verify DEST alone)

@@ -20,8 +20,7 @@ from .cli_help import (CLI_HELP, DEMO_HELP, ENV_HELP, FILES_HELP, MERGE_HELP, PL
                        WRITE_HELP)
 from .errors import ReshardError, UsageError
 from .params import Count, RanksType, SizeType
-from .plan.layout import MergeLayout
-from .plan.placement import LayoutMode
+from .plan import LayoutMode, MergeLayout
 
 
 def _interrupting_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
@@ -68,9 +67,9 @@ class ReshardGroup(click.Group):
 
 def _left_behind(interrupt: KeyboardInterrupt) -> str:
     """What an interrupted command left on disk: a write or merge may leave part of its temporary folder, when its
-    removal ran out of time (`reshard.write.staged._remove_within`), and says so on the interrupt; any other command
+    removal ran out of time (`reshard.write._staged._remove_within`), and says so on the interrupt; any other command
     writes nothing."""
-    staged = sys.modules.get("reshard.write.staged")  # not imported: no write ran, so nothing was left
+    staged = sys.modules.get("reshard.write._staged")  # not imported: no write ran, so nothing was left
     return staged.left_behind_text(interrupt) if staged is not None else "nothing partial was left behind."
 
 
@@ -89,7 +88,7 @@ def _mesh_options(func):
     @click.option("--pp", type=Count(min=1), default=1, hidden=True)
     @functools.wraps(func)
     def wrapper(*args, fsdp, ep, dp_replicate, tp, pp, **kwargs):
-        from .plan.mesh import MeshSpec
+        from .plan import MeshSpec
 
         try:
             mesh = MeshSpec(fsdp=fsdp, ep=ep, dp_replicate=dp_replicate, tp=tp, pp=pp)

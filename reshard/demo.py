@@ -53,7 +53,7 @@ def run_demo(*, ranks: int = 4, keep: str | os.PathLike | None = None, echo=prin
 def _steps(root: Path, ranks: int, echo, timeout: float):
     """The demo's five steps in `root`, each announced: (the plan, the manifest written, each rank's report)."""
     from .api import plan_checkpoint, verify, write_checkpoint
-    from .plan.mesh import MeshSpec
+    from .plan import MeshSpec
     from .tiny import make_tiny_checkpoint
 
     src, out, reports = root / "tiny-qwen3-moe", root / f"tiny-qwen3-moe-fsdp{ranks}", root / "reports"
@@ -145,7 +145,7 @@ def _pass_progress(stream, kept: list[str], echo) -> None:
 
 
 def _report(plan, manifest, per_rank, ranks, elapsed) -> list[str]:
-    from .plan.placement import summarize
+    from .plan import summarize
 
     _, stats = summarize(plan)
     empty = stats["stock_empty_ranks"]

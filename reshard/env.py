@@ -40,7 +40,7 @@ def _torch_facts() -> dict:
 
 
 def _hook_facts() -> list[dict] | dict:
-    from .load.hooks import check_hooks
+    from .load import check_hooks
 
     try:
         return [{"name": s.hook.qualified, "use": s.hook.use, "ok": s.ok, "problem": s.problem}
@@ -51,7 +51,7 @@ def _hook_facts() -> list[dict] | dict:
 
 def _quick_facts() -> dict:
     """What needs no import of torch or transformers: versions, the tested matrix, the launcher variables."""
-    from .load.hooks import TESTED_RANGE, in_tested_range, minor_of
+    from .load import TESTED_RANGE, in_tested_range, minor_of
 
     versions = {name: _distribution_version(name) for name in _DISTRIBUTIONS}
     torch_tested = minor_of(versions["torch"]) in _TESTED_TORCH

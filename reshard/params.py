@@ -11,7 +11,7 @@ import re
 import click
 
 from .errors import UsageError
-from .plan.ranks import RankSpans
+from .plan import RankSpans
 
 
 def _parse_size(text: str) -> int:

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .manifest import Manifest, write_label
-from .plan.layout import MergeLayout
-from .plan.placement import ReshardPlan
-from .read.source import Kind
+from .plan import MergeLayout, ReshardPlan
+from .read import Kind
 from .words import mib, plural
 
 _UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
@@ -50,7 +49,7 @@ class PlanResult:
     write_line: str = ""
 
     def to_json(self) -> str:
-        from .plan.report import PLAN_JSON_VERSION, plan_to_dict
+        from .plan import PLAN_JSON_VERSION, plan_to_dict
 
         if self.plan is None:
             return _dump({"reshard_plan_version": PLAN_JSON_VERSION, "source": self.source, "routed_experts": 0,
@@ -61,7 +60,7 @@ class PlanResult:
         return f"{self.source}: no routed experts found (not a MoE checkpoint); nothing to reshard."
 
     def summary(self) -> str:
-        from .plan.report import render_plan
+        from .plan import render_plan
 
         if self.plan is None:
             return self._no_experts()
@@ -78,12 +77,12 @@ class WriteResult:
         manifest: the manifest of OUT.
         out: OUT as given.
         source: SRC as given.
-        source_kind: what SRC is (`reshard.read.source.Kind`: a checkpoint, or a reshard or saved folder written
+        source_kind: what SRC is (`reshard.read._source.Kind`: a checkpoint, or a reshard or saved folder written
             from mesh to mesh).
         revision: the Hub revision asked for, or None.
         verify_against: the SRC `verify --against` can compare with (None for a reshard or saved SRC).
         node: after a node-local write, the node whose copy `manifest` is (`node 1 (host, ranks 4-7)`).
-        copies: on node 0 of a node-local write, every node's copy (`reshard.write.distributed.NodeCopy`).
+        copies: on node 0 of a node-local write, every node's copy (`reshard.write._distributed.NodeCopy`).
         fetched: after a node-local write from a remote SRC, the bytes this node's ranks fetched from it.
     """
 
@@ -135,7 +134,7 @@ class WriteResult:
         holds = self.manifest.holds
         if holds is None:
             return ""
-        from .plan.ranks import RankSpans
+        from .plan import RankSpans
 
         if self.node:
             return f" on {self.node}, this node's copy"
@@ -263,7 +262,7 @@ class MergeResult:
             `fused`), the extras included.
         model_tensors: the model's in-memory tensors they hold.
         layout: how the tensors are named (`MergeLayout`).
-        source_kind: what SRC is (`reshard.read.source.Kind`: a reshard or saved folder).
+        source_kind: what SRC is (`reshard.read._source.Kind`: a reshard or saved folder).
         left_out: what the merge could not write back, or None.
         against: what the next line's `verify --against` compares DEST with (SRC; after `--node-local`, the
             original checkpoint the copies were written from, None when unknown).

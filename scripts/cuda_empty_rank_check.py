@@ -144,7 +144,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(0) if ns.device == "cuda" else "CPU"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {RANKS} ranks on {name}, gloo")
     from reshard.api import write_checkpoint
-    from reshard.plan.mesh import MeshSpec
+    from reshard.plan import MeshSpec
     from reshard.tiny import make_tiny_checkpoint
 
     root = ns.workdir or Path(tempfile.mkdtemp(prefix="reshard-cuda-"))

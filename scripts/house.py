@@ -7,13 +7,15 @@ imports (lazy ones inside functions too) and reports:
 - circles (modules that import each other, directly or around a loop);
 - arrows against the flow (a module importing one on a higher layer, or write and load importing each other);
 - private names imported across modules (`from .x import _name`);
+- private modules imported from outside their package (`reshard.P._mod` is P's own: others import from `reshard.P`);
 - functions over 50 lines (over 80 breaks the rule), modules over 500 lines;
 - a drawing: each layer with its modules and the layers it imports.
 
 usage: python scripts/house.py [--check] [--json] [ROOT]
 
   --check   exit 1 when a rule is broken (no circle, no arrow against the flow, no private import across modules,
-            no function over 80 lines, no module over 500 lines)
+            no private module imported from outside its package, no function over 80 lines, no module over 500
+            lines)
   --json    the figures as JSON instead of text
   ROOT      the repository (default: the one holding this script)
 """
@@ -124,6 +126,17 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def is_private_module(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1]
+    return last.startswith("_") and not last.startswith("__")
+
+
+def outside_its_package(importer: str, target: str) -> bool:
+    """Whether `importer` reaches into the private module `target` of a package it is not part of."""
+    package = target.rsplit(".", 1)[0]
+    return is_private_module(target) and importer != package and not importer.startswith(package + ".")
+
+
 def function_lengths(path: Path) -> list[tuple[str, int, int]]:
     """(qualified name, lines, first line) of every function, decorators excluded."""
     tree = ast.parse(path.read_text(), str(path))
@@ -144,7 +157,7 @@ def function_lengths(path: Path) -> list[tuple[str, int, int]]:
 def measure(root: Path) -> dict:
     known = modules_of(root)
     graph: dict[str, set[str]] = {m: set() for m in known if m != PACKAGE}
-    against, private = [], []
+    against, private, private_modules = [], [], []
     for name, path in known.items():
         if name == PACKAGE:
             continue
@@ -159,6 +172,9 @@ def measure(root: Path) -> dict:
                 against.append(f"{where}: {name} ({layer}) imports {target} ({target_layer})")
             if imported.startswith("_") and not imported.startswith("__"):
                 private.append(f"{where}: {name} imports {imported} from {target}")
+            if outside_its_package(name, target):
+                private_modules.append(f"{where}: {name} imports {target}; import from "
+                                       f"{target.rsplit('.', 1)[0]}")
     functions = sorted(((f"{known[m].relative_to(root)}:{line} {fn}", n) for m in known
                         for fn, n, line in function_lengths(known[m])), key=lambda x: -x[1])
     sizes = sorted(((str(p.relative_to(root)), len(p.read_text().splitlines())) for p in known.values()),
@@ -175,6 +191,7 @@ def measure(root: Path) -> dict:
         "circles": circles(graph),
         "against_the_flow": against,
         "private_imports": private,
+        "private_modules": private_modules,
         "functions_over_50": [f"{where} ({n})" for where, n in functions if n > LONG_FUNCTION_LINES],
         "functions_over_80": [f"{where} ({n})" for where, n in functions if n > MAX_FUNCTION_LINES],
         "longest_functions": [f"{where} ({n})" for where, n in functions[:5]],
@@ -192,7 +209,9 @@ def layer_of_name(layer: str) -> int:
 
 def broken(figures: dict) -> list[str]:
     rules = [("circles", "circle"), ("against_the_flow", "arrow against the flow"),
-             ("private_imports", "private import across modules"), ("functions_over_80", "function over 80 lines"),
+             ("private_imports", "private import across modules"),
+             ("private_modules", "private module imported from outside its package"),
+             ("functions_over_80", "function over 80 lines"),
              ("modules_over_500", "module over 500 lines")]
     return [f"{what}: {item}" for key, what in rules for item in figures[key]]
 
@@ -206,10 +225,12 @@ def render(figures: dict) -> str:
     lines.append("")
     lines.append(f"modules {figures['modules']}, arrows {figures['arrows']}, circles {len(figures['circles'])}, "
                  f"against the flow {len(figures['against_the_flow'])}, private imports "
-                 f"{len(figures['private_imports'])}, functions over 50 lines {len(figures['functions_over_50'])} "
+                 f"{len(figures['private_imports'])}, private modules imported from outside "
+                 f"{len(figures['private_modules'])}, functions over 50 lines {len(figures['functions_over_50'])} "
                  f"(over 80: {len(figures['functions_over_80'])}), modules over 500 lines "
                  f"{len(figures['modules_over_500'])}")
-    for key in ("circles", "against_the_flow", "private_imports", "functions_over_50", "modules_over_500"):
+    for key in ("circles", "against_the_flow", "private_imports", "private_modules", "functions_over_50",
+                "modules_over_500"):
         if figures[key]:
             lines.append(f"{key.replace('_', ' ')}:")
             lines += [f"  {' <-> '.join(item) if isinstance(item, list) else item}" for item in figures[key]]

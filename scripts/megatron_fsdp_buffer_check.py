@@ -33,11 +33,11 @@ from pathlib import Path
 
 def _import_reshard():
     try:
-        import reshard.load.materialize as materialize
+        import reshard.load._materialize as materialize
     except ImportError:
         # Running from a checkout without the package installed: the repository root is the script's parent's parent.
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        import reshard.load.materialize as materialize
+        import reshard.load._materialize as materialize
     return materialize
 
 

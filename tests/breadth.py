@@ -421,7 +421,7 @@ def add_unloaded(model_type: str, folder: Path) -> Path:
 
 
 def saved_keys(folder: Path) -> set[str]:
-    from reshard.read.source import read_checkpoint
+    from reshard.read._source import read_checkpoint
 
     return set(read_checkpoint(folder).tensors)
 
@@ -441,7 +441,7 @@ def meshes(num_experts: int):
     With an even expert count both use ep 2: `fsdp = E + 2` gives efsdp `E/2 + 1` over `E/2` experts (one empty),
     `fsdp = E` gives one expert per rank. Otherwise no EP: `fsdp = E + 1` and `fsdp = E`.
     """
-    from reshard.plan.mesh import MeshSpec
+    from reshard.plan import MeshSpec
 
     if num_experts % 2 == 0:
         return {"uneven": MeshSpec(fsdp=num_experts + 2, ep=2), "even": MeshSpec(fsdp=num_experts, ep=2)}
@@ -496,7 +496,7 @@ class CaseResult:
 
 
 def _expert_summary(layout):
-    from reshard.plan.placement import family_of
+    from reshard.plan._placement import family_of
 
     experts = layout.experts
     layers = sorted({re.search(r"\.(\d+)\.", t.name).group(1) for t in experts if re.search(r"\.(\d+)\.", t.name)},
@@ -519,10 +519,10 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
 
     from reshard.api import plan_checkpoint, write_checkpoint
     from reshard.errors import ReshardError
-    from reshard.plan.layout import Role
-    from reshard.load.loader import from_pretrained
-    from reshard.plan.mesh import MeshSpec
-    from reshard.plan.placement import box_is_empty, make_plan
+    from reshard.plan import Role
+    from reshard.load import from_pretrained
+    from reshard.plan import MeshSpec
+    from reshard.plan import box_is_empty, make_plan
     from reshard.api import verify
 
     def clean(message: str) -> str:  # no temporary paths in reasons: the support table must be reproducible
@@ -548,7 +548,7 @@ def check_case(model_type: str, layout: str, src: Path, work: Path) -> CaseResul
             return result
         result.steps.append("plan")
         # exactly the keys the model class ignores on load are kept as extras (none where it ignores none)
-        from reshard.read.source import read_checkpoint
+        from reshard.read._source import read_checkpoint
 
         extras = {t.name for t in plan.layout.extras}
         assert extras == set(unloaded_keys(model_type)) & set(read_checkpoint(src).tensors), \

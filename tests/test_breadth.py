@@ -105,9 +105,9 @@ def test_model_type_plans_writes_verifies_and_loads(matrix, model_type, layout):
 def test_fast_layout_equals_full_layout_on_the_saved_checkpoint(matrix, model_type, layout):
     """On what `save_pretrained` wrote, renaming one key per template gives the layout renaming every key gives
     (with more layers than layer kinds: tests/test_layout_fast.py)."""
-    from reshard.read.source import read_checkpoint
+    from reshard.read._source import read_checkpoint
     from reshard.errors import ReshardError
-    from reshard.read.experts import build_meta_model, layout_from_model
+    from reshard.read._experts import build_meta_model, layout_from_model
 
     index = read_checkpoint(matrix.source(model_type, layout) or matrix.source(model_type, "original"))
     model = build_meta_model(index.config)
@@ -176,7 +176,7 @@ def test_dtype_and_tied_variants(tmp_path, model_type, dtype, tied, layout):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from reshard.read.source import read_checkpoint
+    from reshard.read._source import read_checkpoint
 
     src = breadth.generate(model_type, tmp_path / "f32", fused=False, tie_word_embeddings=tied)
     if dtype != "float32":  # from_pretrained(dtype=...) keeps `_keep_in_fp32_modules_strict` in fp32, as real releases
@@ -211,9 +211,9 @@ MULTIRANK = [case for case in MULTIRANK if case.values[0] in KNOWN]  # a newer r
 @pytest.mark.parametrize("model_type, overrides, fsdp, ep, fused", MULTIRANK)
 def test_family_loads_exactly_on_every_rank(tmp_path, model_type, overrides, fsdp, ep, fused):
     from reshard.api import plan_checkpoint, write_checkpoint
-    from reshard.plan.mesh import MeshSpec
-    from reshard.plan.placement import box_is_empty
-    from reshard.plan.layout import Role
+    from reshard.plan import MeshSpec
+    from reshard.plan import box_is_empty
+    from reshard.plan import Role
 
     from test_loader import assert_loaded_exactly, load
 

@@ -1,4 +1,4 @@
-"""`write` and `merge` into a bucket prefix (`reshard.write.bucket`), on the real S3 server the suite runs (SeaweedFS,
+"""`write` and `merge` into a bucket prefix (`reshard.write._bucket`), on the real S3 server the suite runs (SeaweedFS,
 tests/s3_server.py): objects byte-identical to the local output, multipart uploads with the marker last, refusals
 before anything is read, and nothing left behind by a failure, a SIGTERM or a server that goes away."""
 
@@ -16,8 +16,8 @@ import pytest
 from reshard.api import merge_checkpoint, write_checkpoint
 from reshard.errors import OutputError, UsageError
 from reshard.manifest import shard_file_name
-from reshard.plan.mesh import MeshSpec
-from reshard.write import bucket as bucket_output
+from reshard.plan import MeshSpec
+from reshard.write import _bucket as bucket_output
 
 from conftest import rank_reports, run_ranks
 

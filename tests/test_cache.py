@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from reshard.read import cache
-from reshard.read.source import read_checkpoint
-from reshard.read.experts import build_meta_model, find_experts, layout_from_model
+from reshard.read import _cache as cache
+from reshard.read._source import read_checkpoint
+from reshard.read._experts import build_meta_model, layout_from_model
+from reshard.read import find_experts
 
 
 def test_cached_layout_equals_a_fresh_build(tiny, monkeypatch, tmp_path):
@@ -102,7 +103,7 @@ def test_an_edit_to_the_planning_code_misses_the_cache(tiny, tmp_path):
 
     src = tiny("mixtral")
     copy = tmp_path / "copy"
-    package = Path(cache.__file__).parents[1]  # reshard/, above reshard/read/cache.py
+    package = Path(cache.__file__).parents[1]  # reshard/, above reshard/read/_cache.py
     shutil.copytree(package, copy / "reshard", ignore=shutil.ignore_patterns("__pycache__"))
     code = ("import sys, reshard, reshard.cli as c; sys.argv = ['reshard', 'plan', {src!r}, '--fsdp', '5', '--json']"
             "\ntry:\n    c.main()\nexcept SystemExit:\n    pass\n"

@@ -1,4 +1,4 @@
-"""Header reading and validation (`reshard.read.checkpoint`) over hand-built safetensors files, and Hub sources.
+"""Header reading and validation (`reshard.read._checkpoint`) over hand-built safetensors files, and Hub sources.
 
 Every malformed input must raise `CheckpointError` naming the file (and the entry, where there is one); nothing
 here reads tensor data, and nothing touches the network (Hub tests run offline against a hand-built cache).
@@ -25,9 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import examples
-from reshard.read.checkpoint import INDEX_NAME
-from reshard.read.safetensors_header import MAX_HEADER_BYTES, parse_header, read_header
-from reshard.read.source import read_checkpoint
+from reshard.read import INDEX_NAME
+from reshard.read import MAX_HEADER_BYTES, parse_header
+from reshard.read._safetensors_header import read_header
+from reshard.read._source import read_checkpoint
 from reshard.errors import CheckpointError, ReshardError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -317,7 +318,7 @@ def test_read_checkpoint_reads_exactly_the_headers(tmp_path, monkeypatch):
     header of each file, not one byte of data (the syscall test below checks the same from outside)."""
     import mmap
 
-    from reshard.read.store import LocalStore
+    from reshard.read import LocalStore
 
     root = sharded_folder(tmp_path / "ckpt")
     expected = {name: read_header(root / name).header_bytes for name in (FILE_1, FILE_2)}
@@ -344,7 +345,7 @@ import json, mmap, sys
 def rchar():
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
-from reshard.read.source import read_checkpoint
+from reshard.read._source import read_checkpoint
 def refuse(*a, **k):
     raise AssertionError("mmap")
 mmap.mmap = refuse

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import reshard
 from reshard.cli import ReshardGroup, cli
-from reshard.plan.report import BAR_WIDTH, MAX_BAR_GROUPS, expert_bars
+from reshard.plan._report import BAR_WIDTH, MAX_BAR_GROUPS, expert_bars
 
 FLOW = ["plan", "write", "verify", "files", "merge", "demo", "env"]
 

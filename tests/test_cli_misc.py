@@ -21,9 +21,9 @@ from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import MeshError, VerifyError
 from reshard.manifest import dcp_metadata
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 from reshard.api import verify
-from reshard.read.safetensors_header import read_header
+from reshard.read._safetensors_header import read_header
 
 from conftest import file_chunks
 
@@ -98,7 +98,8 @@ SLOW_VERIFY = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     # a shell may start background jobs with SIGINT ignored; a terminal's Ctrl-C raises KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    import reshard.read.checkpoint as checkpoint
+    import reshard.read as read
+    import reshard.read._checkpoint as checkpoint
     started = Path({marker!r})
     stock_header_of = checkpoint.header_of
 
@@ -108,7 +109,7 @@ SLOW_VERIFY = textwrap.dedent("""
             time.sleep(120)  # the test signals it long before
         return stock_header_of(*args, **kwargs)
 
-    checkpoint.header_of = slow_header_of
+    checkpoint.header_of = read.header_of = slow_header_of  # verification takes it from the package
     sys.argv = ["reshard", "verify", {out!r}]  # stderr is a pipe: no progress bar
     runpy.run_module("reshard", run_name="__main__", alter_sys=True)  # what `python -m reshard` runs
 """)

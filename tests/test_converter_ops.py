@@ -1,4 +1,4 @@
-"""The converter ops transformers 5.24 added, as `reshard.read.converter_ops.compose_pieces` takes or refuses them.
+"""The converter ops transformers 5.24 added, as `reshard.read._converter_ops.compose_pieces` takes or refuses them.
 
 reshard matches ops by class name, so these tests build converters with stand-in ops of the same names: they run on
 every tested transformers (on 5.23 the classes do not exist), and the breadth matrix runs the real ones on 5.24.
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from reshard.errors import ArchitectureError, ReshardError
-from reshard.plan.layout import Piece
-from reshard.read.converter_ops import compose_pieces
+from reshard.plan import Piece
+from reshard.read._converter_ops import compose_pieces
 
 
 def _op(name: str, **fields):

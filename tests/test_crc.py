@@ -1,4 +1,4 @@
-"""A source file's CRC-32 from the ranges writers read (reshard.runs.crc, reshard.runs.source_check).
+"""A source file's CRC-32 from the ranges writers read (reshard.runs._crc, reshard.runs._source_check).
 
 The arithmetic is compared with `zlib.crc32` of the concatenated bytes (hypothesis); the whole-file CRC of ranges
 several writers read is compared with the file's, and a bit flipped in any byte a writer or the checker used must
@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import reshard.runs.source_check as source_check
+import reshard.runs._source_check as source_check
 from reshard.api import merge_checkpoint, write_checkpoint
-from reshard.plan.mesh import MeshSpec
-from reshard.runs.crc import Disagreement, Segments, crc32_combine, crc32_shift, whole_file_crc
+from reshard.plan import MeshSpec
+from reshard.runs._crc import Disagreement, Segments, crc32_combine, crc32_shift, whole_file_crc
 
 from conftest import examples, hang_guard
 

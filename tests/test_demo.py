@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from reshard.cli import cli
 from reshard.demo import run_demo
 from reshard import read_manifest
-from reshard.read.safetensors_header import read_header
+from reshard.read._safetensors_header import read_header
 
 
 @pytest.mark.multirank

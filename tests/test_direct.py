@@ -1,4 +1,4 @@
-"""Large output files go around the page cache (`O_DIRECT`, reshard/runs/direct.py): the same bytes, the same CRC-32s,
+"""Large output files go around the page cache (`O_DIRECT`, reshard/runs/_direct.py): the same bytes, the same CRC-32s,
 damage still refused, and every way it can fail ends in the page cache path or a clean error, never a hang.
 
 The thresholds are lowered here so that tiny files take the direct path: every file at least 0 bytes of data, in
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-import reshard.runs.direct as direct_io
-import reshard.runs.engine as engine
-import reshard.runs.source_check as source_check
+import reshard.runs._direct as direct_io
+import reshard.runs._engine as engine
+import reshard.runs._source_check as source_check
 from reshard.api import merge_checkpoint, write_checkpoint
 from reshard.errors import CheckpointError, OutputError
-from reshard.plan.mesh import MeshSpec
-from reshard.runs.direct import ALIGN, BLOCK_BYTES, DirectOutput
+from reshard.plan import MeshSpec
+from reshard.runs._direct import ALIGN, BLOCK_BYTES, DirectOutput
 from reshard.syscalls import dirty_room, page_cache_room
 from reshard.verification import check_folder
 

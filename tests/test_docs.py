@@ -160,7 +160,7 @@ def _package_sources() -> dict[str, str]:
 
 def test_the_api_name_scan_finds_the_calls_it_must_check():
     """The scan itself: a call is found in prose, code and messages; a module path or a file name is not."""
-    text = "call `reshard.write_checkpoint(..., dequantize='bf16')`; reshard.json; reshard.plan.placement.local_box(x)"
+    text = "call `reshard.write_checkpoint(..., dequantize='bf16')`; reshard.json; reshard.plan._placement.local_box(x)"
     assert _CALL.findall(text) == ["write_checkpoint"]
     assert _CALL.findall("(reshard.from_pretrained(OUT) and xreshard.nope()") == ["from_pretrained"]
 

@@ -17,7 +17,7 @@ def _env(*args, env=None):
 
 
 def test_env_json_reports_installed_distributions_hooks_and_launcher(monkeypatch):
-    from reshard.load.hooks import HOOKS
+    from reshard.load._hooks import HOOKS
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
@@ -40,7 +40,7 @@ def test_env_text_names_a_broken_hook_and_an_untested_version(monkeypatch):
     import transformers
     import transformers.modeling_utils as mu
 
-    from reshard.load.hooks import HOOKS
+    from reshard.load._hooks import HOOKS
 
     monkeypatch.delattr(mu, "get_device")
     monkeypatch.setattr(importlib.metadata, "version",

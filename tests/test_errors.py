@@ -13,7 +13,7 @@ import torch
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 
 
 def run(*args, env=None):

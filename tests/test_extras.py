@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from reshard.api import plan_checkpoint, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import ReshardError, UsageError
-from reshard.plan.mesh import MeshSpec
-from reshard.plan.report import plan_to_dict, render_plan
+from reshard.plan import MeshSpec
+from reshard.plan import plan_to_dict, render_plan
 from reshard.manifest import SHARD_FILE_NAME as SAVED_FILE
 from reshard.tiny import add_tensors, make_tiny_checkpoint, quantize_checkpoint
 from reshard.verification import check_folder
@@ -216,8 +216,8 @@ def test_extras_from_refuses_another_model_or_a_folder_without_them(source, writ
 def test_an_extra_that_names_a_model_tensor_is_refused(written):
     from dataclasses import replace
 
-    from reshard.read.source import open_source
-    from reshard.write.merge import merge_tensors
+    from reshard.read import open_source
+    from reshard.write._merge import merge_tensors
 
     opened = open_source(written)
     index, layout = opened.index, opened.layout

@@ -27,9 +27,9 @@ from safetensors.torch import load_file
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError, UsageError
-from reshard.plan.ranks import RankSpans
-from reshard.plan.mesh import MeshSpec
-from reshard.read.source import read_checkpoint
+from reshard.plan import RankSpans
+from reshard.plan import MeshSpec
+from reshard.read._source import read_checkpoint
 from reshard.verification import check_folder
 from reshard.api import merge_checkpoint
 
@@ -336,8 +336,8 @@ INTERRUPTED_WRITE = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, {repo!r})
     import {module} as w
-    import reshard.write.staged
-    reshard.write.staged.INTERRUPT_CLEANUP_S = {budget!r}
+    import reshard.write._staged
+    reshard.write._staged.INTERRUPT_CLEANUP_S = {budget!r}
     ready = Path({marker!r})
     stock = w.{function}
 
@@ -357,8 +357,8 @@ INTERRUPTED_WRITE = textwrap.dedent("""
     main()
 """)
 # the command, the function writing one file of it (patched to fill the temporary folder), how many files
-INTERRUPTED = {"write": ("reshard.write.shards", "write_rank_file", MANY_FILES),
-               "merge": ("reshard.write.merge", "write_safetensors", 2_000)}
+INTERRUPTED = {"write": ("reshard.write._shards", "write_rank_file", MANY_FILES),
+               "merge": ("reshard.write._merge", "write_safetensors", 2_000)}
 
 
 def interrupted_run(command: str, source: Path, out: Path, marker: Path, budget: float, count: int | None = None):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.read.store import HEADER_PROBE
+from reshard.read import HEADER_PROBE
 
 import hub_server
 from conftest import two_file_source
@@ -236,7 +236,7 @@ PAUSED_WRITE = """
 import sys, time
 from pathlib import Path
 from reshard.cli import cli
-from reshard.runs.engine import Engine
+from reshard.runs._engine import Engine
 
 marker, go = Path(sys.argv[1]), Path(sys.argv[2])
 def paused(fill):  # after every header was read, before the first byte of data

@@ -40,12 +40,12 @@ def test_cli_import_does_not_import_torch():
 _NO_TORCH = r"""
 import json, sys
 sys.modules["torch"] = None  # `import torch` now raises ImportError
-import reshard.plan.placement, reshard.plan.mesh, reshard.plan.report, reshard.read.checkpoint, reshard.manifest, reshard.write.shards
+import reshard.plan._placement, reshard.plan._mesh, reshard.plan._report, reshard.read._checkpoint, reshard.manifest, reshard.write._shards
 import reshard.verification
-from reshard.plan.layout import ModelLayout, Piece, Role, TargetTensor
-from reshard.plan.mesh import MeshSpec
-from reshard.plan.placement import make_plan, summarize
-from reshard.plan.report import plan_to_dict, render_plan
+from reshard.plan._layout import ModelLayout, Piece, Role, TargetTensor
+from reshard.plan._mesh import MeshSpec
+from reshard.plan._placement import make_plan, summarize
+from reshard.plan._report import plan_to_dict, render_plan
 
 try:
     import torch

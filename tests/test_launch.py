@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 
 from conftest import RANK_SCRIPTS, run_ranks
 

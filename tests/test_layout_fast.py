@@ -67,8 +67,8 @@ def meta_model(model_type: str):
 
 def index_of(state: dict, model_type: str, seed: int = 0):
     """A `CheckpointIndex` holding `state`'s names, dtypes and shapes, in a shuffled order."""
-    from reshard.read.checkpoint import CheckpointIndex
-    from reshard.read.safetensors_header import TensorEntry
+    from reshard.read import CheckpointIndex
+    from reshard.read import TensorEntry
 
     items = list(state.items())
     random.Random(seed).shuffle(items)
@@ -92,8 +92,8 @@ def both_layouts(model, index, monkeypatch):
     import transformers.core_model_loading as loading
 
     from reshard.errors import ReshardError
-    from reshard.read.experts import layout_from_model
-    from reshard.plan.layout import layout_to_dict
+    from reshard.read._experts import layout_from_model
+    from reshard.plan import layout_to_dict
 
     calls = []
     rename = loading.rename_source_key
@@ -121,7 +121,7 @@ def _types():
 @pytest.mark.parametrize("layout", breadth.LAYOUTS)
 @pytest.mark.parametrize("model_type", _types())
 def test_fast_layout_equals_full_layout(model_type, layout, monkeypatch):
-    from reshard.read.key_templates import indices_are_opaque
+    from reshard.read._key_templates import indices_are_opaque
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     model = meta_model(model_type)
@@ -187,7 +187,7 @@ KEYS = [f"blocks.{layer}.experts.{e}.w" for layer in range(5) for e in range(4)]
 
 def _by_template(rename):
     """`rename_by_template` over KEYS, and how many times it called `rename`."""
-    from reshard.read.key_templates import rename_by_template
+    from reshard.read._key_templates import rename_by_template
 
     meta_state = {rename(k)[0] for k in KEYS}
     calls = []
@@ -231,13 +231,13 @@ def test_index_agnostic_renaming_is_learnt_from_few_keys(rename):
 def test_index_specific_patterns_are_recognised(pattern, opaque):
     from transformers.core_model_loading import WeightRenaming
 
-    from reshard.read.key_templates import indices_are_opaque
+    from reshard.read._key_templates import indices_are_opaque
 
     assert indices_are_opaque([WeightRenaming(pattern, "y")], "model", {}) is opaque
 
 
 def test_a_prefix_ambiguous_state_dict_is_renamed_key_by_key():
-    from reshard.read.key_templates import indices_are_opaque
+    from reshard.read._key_templates import indices_are_opaque
 
     assert indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.1.w": 0, "model": 0})
     assert not indices_are_opaque([], "model", {"model.layers.0.w": 0, "layers.0.w": 0})
@@ -251,8 +251,8 @@ def test_a_cache_miss_leaves_the_collector_as_it_found_it(tiny, monkeypatch):
     """With torch already imported (as here) nothing is frozen, and the collector ends as it was, on or off."""
     import gc
 
-    from reshard.read.source import read_checkpoint
-    from reshard.read.experts import find_experts
+    from reshard.read._source import read_checkpoint
+    from reshard.read import find_experts
 
     monkeypatch.setenv("RESHARD_CACHE_DIR", "")
     index = read_checkpoint(tiny("glm4_moe"))
@@ -273,7 +273,7 @@ def test_the_first_import_is_frozen(tiny):
     import subprocess
     import sys
 
-    code = ("import gc, sys; from reshard.read.source import read_checkpoint; from reshard.read.experts import find_experts; "
+    code = ("import gc, sys; from reshard.read._source import read_checkpoint; from reshard.read._experts import find_experts; "
             "assert 'torch' not in sys.modules; find_experts(read_checkpoint(sys.argv[1])); "
             "print(gc.isenabled(), gc.get_freeze_count() > 100_000)")
     result = subprocess.run([sys.executable, "-c", code, str(tiny("glm4_moe"))], capture_output=True, text=True,

@@ -11,7 +11,7 @@ import torch
 import reshard
 from reshard.api import write_checkpoint
 from reshard import read_manifest
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 
 from conftest import run_ranks
 
@@ -27,7 +27,7 @@ def load(mode, folder, src, tmp_path, fsdp, ep=1, *, check=True, timeout=240):
     return result, out
 
 
-OWN_READER = ["reshard.load.storage.StorageReader"]  # one dcp.load, with reshard's reader: each rank reads its own files
+OWN_READER = ["reshard.load._storage.StorageReader"]  # one dcp.load, with reshard's reader: each rank reads its own files
 
 
 def assert_loaded_exactly(reports, ep=1, *, readers=None):
@@ -123,9 +123,9 @@ def test_balanced_layout_gives_every_rank_the_same_expert_bytes(tiny, tmp_path):
 
 def test_each_rank_checks_its_own_files(tiny, tmp_path):
     """What a rank reports before loading (the multi-rank test below shows every rank stopping on it)."""
-    from reshard.load.agreement import _check_own_files
+    from reshard.load._agreement import _check_own_files
     from reshard import read_manifest
-    from reshard.read.store import LocalStore
+    from reshard.read import LocalStore
 
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
@@ -158,7 +158,7 @@ def test_reads_through_the_staging_buffers_are_exact(tmp_path, layout):
     """The accelerator path on the host: chunks through two reused buffers (7 bytes here), the CRC worker behind."""
     import zlib
 
-    from reshard.load.local_read import BackgroundCrc, Staging, read_tensor
+    from reshard.load._local_read import BackgroundCrc, Staging, read_tensor
 
     data = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
     path = tmp_path / "blob"
@@ -317,7 +317,7 @@ def test_a_reshard_load_never_asks_for_hub_kernels_unless_the_caller_does(tiny, 
 
 
 def test_a_users_key_mapping_is_kept_on_the_distributed_checkpoint_path():
-    from reshard.load.patch import _dcp_path, _wrap_conversion_mapping
+    from reshard.load._patch import _dcp_path, _wrap_conversion_mapping
 
     mapping = _wrap_conversion_mapping(lambda model, key_mapping=None, *rest: ["built", key_mapping])
     token = _dcp_path.set(True)
@@ -347,7 +347,7 @@ def test_patch_is_idempotent_and_undoes_itself():
 def test_patch_refuses_when_a_hook_vanishes(monkeypatch):
     import transformers.modeling_utils as mu
 
-    from reshard.load.patch import is_patched
+    from reshard.load._patch import is_patched
 
     reshard.unpatch_transformers()
     monkeypatch.delattr(mu, "_dtensor_from_local_like")
@@ -362,7 +362,7 @@ def test_patch_refuses_when_a_hook_vanishes(monkeypatch):
 def test_patch_refuses_when_a_signature_changes(monkeypatch):
     import transformers.distributed.mixin as mixin
 
-    from reshard.load.patch import is_patched
+    from reshard.load._patch import is_patched
 
     def changed(model, checkpoint_path, strict=True):  # `checkpoint_dir` renamed
         return None
@@ -413,7 +413,8 @@ def test_an_untested_release_warns_once_at_the_callers_line_and_installs(tmp_pat
 
 def test_every_hook_is_intact_in_the_installed_transformers():
     """Fails when a hook changes, never because a release is new: the version is the warning's business."""
-    from reshard.load.hooks import HOOKS, check_hooks
+    from reshard.load._hooks import HOOKS
+    from reshard.load import check_hooks
 
     statuses = check_hooks()
     assert [s.hook for s in statuses] == list(HOOKS) and len(HOOKS) >= 15
@@ -421,7 +422,7 @@ def test_every_hook_is_intact_in_the_installed_transformers():
 
 
 def test_the_tested_range_is_the_tested_releases():
-    from reshard.load.hooks import in_tested_range
+    from reshard.load import in_tested_range
 
     assert all(in_tested_range(v) for v in ("5.23.0", "5.24.0.dev0", "5.25.0"))
     assert not in_tested_range("5.26.0") and not in_tested_range("4.57.1") and not in_tested_range("6.0.0")
@@ -446,7 +447,7 @@ def test_the_package_requirements_admit_every_later_5x_release():
 def test_from_pretrained_removes_the_patch_it_installed_but_keeps_the_users(tiny, tmp_path):
     import transformers.modeling_utils as mu
 
-    from reshard.load.patch import is_patched
+    from reshard.load._patch import is_patched
 
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
@@ -461,7 +462,7 @@ def test_from_pretrained_removes_the_patch_it_installed_but_keeps_the_users(tiny
 
 
 def test_the_whole_model_path_checks_checksums_and_coverage(tiny, tmp_path):
-    from reshard.load.loader import assemble_state_dict
+    from reshard.load._loader import assemble_state_dict
 
     out = tmp_path / "out"
     write_checkpoint(tiny("qwen3_moe"), out, MeshSpec(fsdp=4), progress=False)
@@ -485,8 +486,9 @@ def test_the_whole_model_path_checks_checksums_and_coverage(tiny, tmp_path):
 def test_coverage_check_finds_gaps_and_duplicates():
     from types import SimpleNamespace
 
-    from reshard.manifest import TensorInfo, coverage_problems, placement_of
-    from reshard.plan.mesh import MeshSpec
+    from reshard.manifest._entries import TensorInfo, placement_of
+    from reshard.manifest import coverage_problems
+    from reshard.plan import MeshSpec
 
     def doc(runs, *, degree=2, kind="expert"):
         """fsdp 4 x ep 2 (efsdp 2): one [6, 6] expert tensor and a replicated buffer; `runs[c]`: coordinate c's files
@@ -521,7 +523,7 @@ def test_the_patched_materialization_moves_a_real_buffer_to_the_target_device(ti
     GPU here, so the target is `meta`: the branch is the one a CPU-made buffer takes when loading onto CUDA)."""
     from transformers import AutoConfig
 
-    from reshard.load.patch import _move_only_meta_to_device
+    from reshard.load._patch import _move_only_meta_to_device
 
     cls = _model_with_offmeta_bias()
     model = cls(AutoConfig.from_pretrained(tiny("qwen3_moe")))

@@ -28,11 +28,12 @@ import reshard
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import LoadError, ManifestError, ReshardError, VerifyError
-from reshard.load.loader import assemble_state_dict
+from reshard.load._loader import assemble_state_dict
 from reshard import read_manifest
 from reshard.manifest import MANIFEST_NAME, Manifest
-from reshard.plan.mesh import MeshSpec
-from reshard.read.source import Kind, open_source
+from reshard.plan import MeshSpec
+from reshard.read._source import Kind
+from reshard.read import open_source
 from reshard.verification import check_folder
 
 from conftest import examples, hang_guard, rank_reports, run_ranks
@@ -497,9 +498,9 @@ def test_the_constructor_validates_and_tolerates_unknown_sections(written):
 def test_the_writer_types_its_manifest_as_its_document_reads_back(written, tmp_path, monkeypatch, how):
     """The writer builds the manifest from its typed values (the plan, typed file entries), never parsing its own
     document back: what it returns equals what its `reshard.json` parses to, field by field."""
-    import reshard.manifest.parsed
+    import reshard.manifest._parsed
     from reshard.manifest import FileEntry
-    from reshard.plan.placement import LayoutMode
+    from reshard.plan import LayoutMode
 
     def refuse(document):
         raise AssertionError("the writer parsed its own manifest back")
@@ -507,7 +508,7 @@ def test_the_writer_types_its_manifest_as_its_document_reads_back(written, tmp_p
     _, src, _ = written
     out = tmp_path / "out"
     with monkeypatch.context() as patched:
-        patched.setattr(reshard.manifest.parsed, "validate_manifest", refuse)
+        patched.setattr(reshard.manifest._parsed, "validate_manifest", refuse)
         result = write_checkpoint(src, out, MeshSpec(fsdp=FSDP, ep=EP), progress=False, **how)
     built = result.manifest
     assert result.source_kind is Kind.CHECKPOINT  # an enum, printed as its value
@@ -524,7 +525,7 @@ def test_a_manifest_goes_to_a_worker_process_as_its_typed_value(written, monkeyp
     import pickle
     from types import MappingProxyType
 
-    import reshard.manifest.parsed
+    import reshard.manifest._parsed
 
     out, _, _ = written
     manifest = read_manifest(out)
@@ -533,7 +534,7 @@ def test_a_manifest_goes_to_a_worker_process_as_its_typed_value(written, monkeyp
     def refuse(document):
         raise AssertionError("validated again")
 
-    monkeypatch.setattr(reshard.manifest.parsed, "validate_manifest", refuse)
+    monkeypatch.setattr(reshard.manifest._parsed, "validate_manifest", refuse)
     copy = pickle.loads(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL))
     assert copy == manifest and copy.to_json() == manifest.to_json() and copy.where == manifest.where
     assert isinstance(copy.tensors, MappingProxyType) and isinstance(copy.source.header_sha256, MappingProxyType)
@@ -586,7 +587,7 @@ def _apply(doc, path: tuple, action: str, value):
 OUTCOMES: dict[str, int] = {}  # how many cases ended each way (printed with -s: the mix the mutations reach)
 
 # What verify checks that no load needs: the copied non-weight files other than config.json (a tokenizer file
-# missing does not stop a load, `reshard.load.agreement.check_copied`). Only such problems may leave verify refusing a
+# missing does not stop a load, `reshard.load._agreement.check_copied`). Only such problems may leave verify refusing a
 # folder that loads exactly.
 _NOT_LOADED = re.compile(r"(?!config\.json:)[^:]*: missing, though reshard\.json lists it as copied from the source; ")
 

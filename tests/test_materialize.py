@@ -16,18 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from reshard.load import materialize as mat
-from reshard.load import replacement
+from reshard.load import _materialize as mat
+from reshard.load import _replacement as replacement
 from reshard.errors import ReshardError
-from reshard.load.materialize import (
-    MaterializeReport,
-    check_buffers,
-    materialize_meta_,
-    meta_only_to_empty,
-    patch_megatron_fsdp,
-    patch_to_empty,
-    unpatch_to_empty,
-)
+from reshard.load import (MaterializeReport, check_buffers, materialize_meta_, meta_only_to_empty, patch_megatron_fsdp,
+                          patch_to_empty, unpatch_to_empty)
 
 STOCK_TO_EMPTY = nn.Module.to_empty
 

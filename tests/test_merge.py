@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.manifest import coverage_problem
-from reshard.read.source import open_source
+from reshard.read import open_source
 from reshard.errors import CheckpointError, OutputError
 from reshard.api import merge_checkpoint
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 from reshard.verification import check_folder
 
 from conftest import assert_equal_tensors, tensors_of
@@ -139,10 +139,10 @@ def test_the_merge_index_is_typed_and_verify_checks_the_layout_it_records(writte
     folder whose index records a layout its keys are not in."""
     import reshard
     from reshard.errors import VerifyError
-    from reshard.plan.layout import MergeLayout
-    from reshard.read.source import Kind
+    from reshard.plan import MergeLayout
+    from reshard.read._source import Kind
     from reshard.results import Checked
-    from reshard.write.merge_index import MergeIndex
+    from reshard.write import MergeIndex
 
     src, folder = written
     for layout, other in (("fused", "original"), ("original", "fused")):
@@ -265,7 +265,7 @@ def test_overwrite_rules(written, tmp_path):
 
 
 def test_an_interrupted_merge_leaves_nothing(written, tmp_path, monkeypatch):
-    import reshard.write.merge as merge
+    import reshard.write._merge as merge
 
     _, folder = written
     calls = []

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 from reshard.verification import check_folder
 
 from conftest import rank_reports, run_ranks

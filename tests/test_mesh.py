@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from reshard.plan import mesh as mesh_module
+from reshard.plan import _mesh as mesh_module
 from reshard.errors import MeshError, ReshardError
-from reshard.plan.mesh import Axis, MeshSpec
+from reshard.plan._mesh import Axis
+from reshard.plan import MeshSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +99,7 @@ def test_coord_of_replicas_share_coordinates():
 
 
 def _docstring_table(doc: str) -> dict[str, list[int]]:
-    """The rows of the rank table in `reshard/plan/mesh.py`'s docstring: `name: 0 1 2 ...`."""
+    """The rows of the rank table in `reshard/plan/_mesh.py`'s docstring: `name: 0 1 2 ...`."""
     rows = {}
     for line in doc.splitlines():
         m = re.search(r"\b(rank|fsdp|efsdp|ep):\s+((?:\d+\s*)+)$", line)

@@ -1,7 +1,7 @@
 """A node's ranks, end to end in plain data: torchrun's view of each process becomes the node's ranks
-(`reshard.write.nodes.Nodes`), their spans (`reshard.plan.ranks.RankSpans`: what `--ranks` and the messages say) and
+(`reshard.write._nodes.Nodes`), their spans (`reshard.plan._ranks.RankSpans`: what `--ranks` and the messages say) and
 the coordinates whose files the node writes or loads (`MeshSpec.coords_of`); a loading rank derives the same span from
-LOCAL_RANK and LOCAL_WORLD_SIZE (`reshard.load.agreement`). No process is started: the simulated-node tests
+LOCAL_RANK and LOCAL_WORLD_SIZE (`reshard.load._agreement`). No process is started: the simulated-node tests
 (tests/test_node_local.py, slow) run the same path under torchrun; these catch a node whose last rank is dropped in
 milliseconds."""
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.load.agreement import _node_ranks
-from reshard.plan.mesh import MeshSpec
-from reshard.plan.ranks import RankSpans
-from reshard.write.nodes import Nodes
+from reshard.load._agreement import _node_ranks
+from reshard.plan import MeshSpec
+from reshard.plan import RankSpans
+from reshard.write._nodes import Nodes
 
 # (nodes, processes per node, mesh of nodes x processes ranks): spans shorter than, equal to and longer than fsdp
 JOBS = [(2, 4, MeshSpec(fsdp=8)), (2, 4, MeshSpec(fsdp=8, ep=2)), (2, 2, MeshSpec(fsdp=4, ep=2)),

@@ -28,13 +28,14 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from conftest import examples
-from reshard.plan.dtypes import DTYPE_BITS
-from reshard.read.safetensors_header import read_header
+from reshard.plan import DTYPE_BITS
+from reshard.read._safetensors_header import read_header
 from reshard.errors import MeshError
-from reshard.plan.layout import ModelLayout, Piece, Role, TargetTensor
-from reshard.plan.mesh import MeshSpec
-from reshard.plan.placement import Kind, Placement, box_is_empty, chunk, local_box, make_plan, summarize
-from reshard.runs.byte_runs import chunk_runs
+from reshard.plan import ModelLayout, Piece, Role, TargetTensor
+from reshard.plan import MeshSpec
+from reshard.plan import Kind, Placement, box_is_empty, local_box, make_plan, summarize
+from reshard.plan._placement import chunk
+from reshard.runs import chunk_runs
 
 # ---- torch as the reference ---------------------------------------------------------------------------------------
 
@@ -230,8 +231,8 @@ def test_placement_describe():
 def test_plan_module_imports_without_torch():
     """The planner is plain data: importable with torch blocked."""
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import reshard.plan.placement, reshard.plan.layout, reshard.plan.mesh\n"
-            "print(reshard.plan.placement.chunk(20, 8, 7))")
+            "import reshard.plan._placement, reshard.plan._layout, reshard.plan._mesh\n"
+            "print(reshard.plan._placement.chunk(20, 8, 7))")
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
@@ -577,7 +578,8 @@ def test_every_coordinate_at_once_is_local_box_of_each(fsdp, data):
     """`coordinate_boxes`, `split_lengths` and `local_sizes` (what plan, coverage, the reader and the writers use to
     stay linear in coordinates) give exactly `local_box` of each coordinate, for placements that disagree with the
     mesh too (coverage must find those) and shapes with empty dims."""
-    from reshard.plan.placement import coordinate_boxes, local_sizes, split_lengths
+    from reshard.plan import coordinate_boxes
+    from reshard.plan._placement import local_sizes, split_lengths
 
     ep = data.draw(st.sampled_from([e for e in range(1, fsdp + 1) if fsdp % e == 0]), label="ep")
     mesh = MeshSpec(fsdp=fsdp, ep=ep)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from reshard.api import plan_checkpoint, write_checkpoint
-from reshard.plan.mesh import MeshSpec
-from reshard.plan.placement import Kind, Placement, local_box
+from reshard.plan import MeshSpec
+from reshard.plan import Kind, Placement, local_box
 
 from conftest import rank_reports, run_ranks
 

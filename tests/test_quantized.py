@@ -26,12 +26,13 @@ from safetensors.torch import load_file, save_file
 
 import reshard
 from reshard.api import plan_checkpoint, write_checkpoint
-from reshard.read.source import open_source
+from reshard.read import open_source
 from reshard.cli import cli
-from reshard.runs.dequant import Dequantizer, slabs
+from reshard.runs import Dequantizer
+from reshard.runs._dequant import slabs
 from reshard.errors import QuantizationError, UsageError
-from reshard.plan.mesh import MeshSpec
-from reshard.plan.report import plan_to_dict, render_plan
+from reshard.plan import MeshSpec
+from reshard.plan import plan_to_dict, render_plan
 from reshard.tiny import make_tiny_checkpoint, quantize_checkpoint
 from reshard.api import verify
 
@@ -232,7 +233,7 @@ def test_dequantized_values_follow_the_formula_on_disk(models, written):
 
 def test_slabs_bound_memory_and_give_the_same_bytes(models, tmp_path, monkeypatch):
     """A tiny slab budget cuts every chunk into many slabs (mid-block, mid-expert): the files are identical."""
-    import reshard.runs.dequant as dequant
+    import reshard.runs._dequant as dequant
 
     src = models["deepseek_v3-fp8"][0]
     write_checkpoint(src, tmp_path / "big", EMPTY_MESH, dequantize="bf16", progress=False)
@@ -366,7 +367,7 @@ def test_bad_quantized_inputs_fail_clearly_and_write_nothing(models, tmp_path, c
 
 
 def test_an_fp8_dtype_this_torch_lacks_is_refused_before_writing(models, tmp_path, monkeypatch):
-    from reshard.read import checkpoint
+    from reshard.read import _checkpoint as checkpoint
 
     monkeypatch.setitem(checkpoint.TORCH_DTYPE_NAMES, "F8_E4M3", "float8_e4m3_not_in_this_torch")
     result = CliRunner().invoke(cli, ["write", str(models["qwen3_moe-fp8"][0]), str(tmp_path / "out"), "--fsdp", "4",

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from reshard.api import write_checkpoint
-from reshard.plan.mesh import MeshSpec
-from reshard.read import content
-from reshard.runs import fetch
+from reshard.plan import MeshSpec
+from reshard.read import _content as content
+from reshard.runs import _fetch as fetch
 
 from conftest import rank_reports, run_ranks
 
@@ -83,7 +83,7 @@ def test_write_from_s3_is_byte_identical_to_the_local_write_in_few_requests(s3, 
     assert all(r.status == 206 for r in data)
     # The 4 rank files are filled together: the source is read front to back, each byte once, in as few requests as
     # the file's size needs (one here: the data is under a range), not once per rank file in the pieces each needs.
-    # (Apart from the write identity's few samples of the data: `reshard.read.content`.)
+    # (Apart from the write identity's few samples of the data: `reshard.read._content`.)
     ranges = sorted(tuple(map(int, r.range.removeprefix("bytes=").split("-"))) for r in data)
     spans = [(start, end) for start, end in ranges if end + 1 - start != content.SAMPLE_BYTES]
     assert len(ranges) - len(spans) == content.SAMPLES, ranges
@@ -179,7 +179,7 @@ SMALL_RANGE = 1000  # far below every expert tensor of the tiny checkpoint: each
 def _failing_range(monkeypatch, store_cls, *, after: int) -> list[int]:
     """Make every try of the ranged read that starts at the `after`-th data offset seen fail as a reset connection
     would (transient: retried to the limit, quickly); the offsets asked for are returned as they come."""
-    import reshard.read.remote as remote
+    import reshard.read._remote as remote
 
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
     original, seen, doomed = store_cls._get_into, [], []
@@ -204,14 +204,14 @@ def _fetch_threads() -> list[str]:
 
 
 def test_a_write_from_s3_in_ranges_shorter_than_its_runs_is_the_local_write(s3, uploaded, tmp_path, monkeypatch):
-    import reshard.runs.fetch as fetch
+    import reshard.runs._fetch as fetch
 
     src, _, url = uploaded
     monkeypatch.setattr(fetch, "RANGE", SMALL_RANGE)
     write_checkpoint(url["src"], tmp_path / "remote", MESH, progress=False)
     write_checkpoint(src, tmp_path / "local", MESH, progress=False)
     same_folders(tmp_path / "remote", tmp_path / "local")
-    from reshard.read.content import SAMPLE_BYTES, SAMPLES
+    from reshard.read._content import SAMPLE_BYTES, SAMPLES
 
     data = [r for r in s3.requests(method="GET", key="src/model.safetensors") if r.range != "bytes=0-65535"]
     lengths = [int(b) - int(a) + 1 for a, b in (r.range.removeprefix("bytes=").split("-") for r in data)]
@@ -223,8 +223,8 @@ def test_a_write_from_s3_in_ranges_shorter_than_its_runs_is_the_local_write(s3, 
 
 def test_a_range_failing_mid_overlap_leaves_nothing_and_no_thread(s3, uploaded, tmp_path, monkeypatch):
     from reshard.errors import CheckpointError
-    import reshard.read.remote as remote
-    import reshard.runs.fetch as fetch
+    import reshard.read._remote as remote
+    import reshard.runs._fetch as fetch
 
     _, _, url = uploaded
     monkeypatch.setattr(fetch, "RANGE", SMALL_RANGE)
@@ -243,8 +243,8 @@ def test_a_load_from_s3_in_small_ranges_is_exact_and_a_failing_range_stops_it(s3
     from transformers import AutoModelForCausalLM
 
     import reshard
-    import reshard.read.remote as remote
-    import reshard.read.range_file as store
+    import reshard.read._remote as remote
+    import reshard.read._range_file as store
     from reshard.errors import ReshardError
 
     src, _, url = uploaded
@@ -270,7 +270,7 @@ def test_reads_longer_than_a_request_land_in_place_for_write_and_load(s3, upload
     import torch
 
     import reshard
-    import reshard.read.remote as remote
+    import reshard.read._remote as remote
 
     src, folder, url = uploaded
     monkeypatch.setattr(remote, "READ_BLOCK", READ_BLOCK)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from reshard.api import write_checkpoint
-import reshard.write.output as output_module
+import reshard.write._output as output_module
 from reshard.errors import CheckpointError, ReshardError, SourceChangedError
-from reshard.plan.mesh import MeshSpec
-from reshard.read.source import open_source
-from reshard.runs.engine import Engine
+from reshard.plan import MeshSpec
+from reshard.read import open_source
+from reshard.runs import Engine
 
 MESH = MeshSpec(fsdp=4)
 

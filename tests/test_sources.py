@@ -1,4 +1,4 @@
-"""Sources where checkpoints live (`reshard.read.source`): a Hugging Face cache snapshot, any source for `plan`, URLs
+"""Sources where checkpoints live (`reshard.read._source`): a Hugging Face cache snapshot, any source for `plan`, URLs
 refused as outputs, and the rules a link out of a source meets. S3 and the Hub in ranges: tests/test_remote.py."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from reshard.api import plan_checkpoint, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError
-from reshard.plan.mesh import MeshSpec
-from reshard.read.source import Kind, Where, locate, open_source
+from reshard.plan import MeshSpec
+from reshard.read._source import Kind, Where
+from reshard.read import locate, open_source
 
 REPO = Path(__file__).resolve().parents[1]
 MESH = MeshSpec(fsdp=4)

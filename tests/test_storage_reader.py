@@ -12,7 +12,7 @@ import torch
 import reshard
 from reshard.api import write_checkpoint
 from reshard.errors import LoadError
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 
 from conftest import run_ranks
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from reshard.api import write_checkpoint
 from reshard.cli import cli
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 
 from conftest import RANK_SCRIPTS, rank_reports, run_ranks
 
@@ -201,9 +201,9 @@ def test_meta_destinations_are_refused(source):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from reshard.errors import LoadError
-    from reshard.load.storage import load_model_state
+    from reshard.load._storage import load_model_state
     from reshard import read_manifest
-    from reshard.read.store import LocalStore
+    from reshard.read import LocalStore
 
     root, src, _ = source
     folder = root / "one-rank"

@@ -7,7 +7,7 @@ For each model and layout the written folder is checked twice:
   `saved_offsets` its header's `DCP_SHARDING_INFO` gives, into a zero tensor of the global shape while a counter
   tensor records coverage (every element written exactly once), and the result is compared with `torch.equal` to
   `AutoModelForCausalLM.from_pretrained(src).state_dict()` (the reference loader, not reshard's key mapping).
-  Which coordinates hold empty markers is recomputed here from `reshard.plan.placement.chunk` and the placement rules
+  Which coordinates hold empty markers is recomputed here from `reshard.plan._placement.chunk` and the placement rules
   (DESIGN.md sections 1-2), not from `local_box`.
 """
 
@@ -30,8 +30,8 @@ from safetensors import safe_open
 from reshard.api import verify, write_checkpoint
 from reshard.cli import cli
 from reshard import read_manifest
-from reshard.plan.mesh import MeshSpec
-from reshard.plan.placement import chunk
+from reshard.plan import MeshSpec
+from reshard.plan._placement import chunk
 from reshard.words import plural
 
 # transformers 5.23 `distributed/checkpoint.py`: the names that select the distributed-checkpoint loader
@@ -426,7 +426,7 @@ def test_verify_miscounted_empty_markers_and_a_missing_run(written):
 def test_coordinate_sizes_equal_the_chunk_lists(tiny, mesh):
     """The sizes a write balances and checks free space with, computed by tensor kind, equal each coordinate's chunks."""
     from reshard.api import plan_checkpoint
-    from reshard.plan.files import coordinate_chunks, coordinate_sizes
+    from reshard.plan import coordinate_chunks, coordinate_sizes
 
     plan = plan_checkpoint(tiny("glm4_moe"), mesh).plan
     assert coordinate_sizes(plan) == [sum(spec.nbytes for spec, _, _ in coordinate_chunks(plan, c))
@@ -469,7 +469,7 @@ def test_a_long_write_on_a_pipe_says_where_it_is_and_a_quick_one_says_nothing(mo
     and one when they are; a write done within the first interval prints nothing."""
     import time
 
-    from reshard.write import output
+    from reshard.write import _output as output
 
     quick = output.progress_bar(10, None, "merge")  # capsys: stderr is no terminal
     quick.update(10)

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import reshard.write.files as output_files
-from reshard.runs.engine import Engine
+import reshard.write._files as output_files
+from reshard.runs import Engine
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 from reshard.api import verify
 
 from conftest import two_file_source
@@ -223,7 +223,7 @@ SLOW_WRITE = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     # a shell may start background jobs with SIGINT ignored; a terminal's Ctrl-C raises KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    import reshard.write.shards as w
+    import reshard.write._shards as w
     first_file_written = Path({marker!r})
     stock_write_file = w.write_rank_file
 

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import file_chunks, rank_reports, run_ranks
 from reshard.api import write_checkpoint
-from reshard.plan.dtypes import DTYPE_BITS
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import DTYPE_BITS
+from reshard.plan import MeshSpec
 
 pytestmark = pytest.mark.multirank
 

@@ -25,9 +25,9 @@ from click.testing import CliRunner
 from conftest import RANK_SCRIPTS
 from reshard.api import plan_checkpoint
 from reshard.cli import cli
-from reshard.plan.mesh import MeshSpec
-from reshard.write.workers import assign_shares, default_workers
-from reshard.plan.placement import summarize
+from reshard.plan import MeshSpec
+from reshard.write._workers import assign_shares, default_workers
+from reshard.plan import summarize
 
 pytestmark = pytest.mark.multirank
 

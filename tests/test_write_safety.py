@@ -30,15 +30,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import reshard.write.durable as durable
-import reshard.write.shards as write_module
-import reshard.write.staged as staged
+import reshard.write._durable as durable
+import reshard.write._shards as write_module
+import reshard.write._staged as staged
 from reshard.api import plan_checkpoint, write_checkpoint
-from reshard.read.checkpoint import METADATA_PATTERNS
-from reshard.read.safetensors_header import parse_header
+from reshard.read._checkpoint import METADATA_PATTERNS
+from reshard.read import parse_header
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
-from reshard.plan.mesh import MeshSpec
+from reshard.plan import MeshSpec
 from reshard.api import verify
 
 from conftest import two_file_source
@@ -139,7 +139,7 @@ def test_free_space_check_counts_the_copied_files(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, needed - 1))
-    from reshard.plan.report import human_bytes
+    from reshard.plan import human_bytes
 
     with pytest.raises(OutputError, match=re.escape(f"{human_bytes(needed - 1)} free, the output needs "
                                                     f"{human_bytes(needed)}.")):
@@ -357,9 +357,9 @@ def test_swap_interrupted_at_every_step(tiny, tmp_path, monkeypatch, mode, step,
 SWAP_KILLER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import reshard.write.staged as w
+    import reshard.write._staged as w
     from reshard.api import write_checkpoint
-    from reshard.plan.mesh import MeshSpec
+    from reshard.plan._mesh import MeshSpec
 
     if {mode!r} == "renames":
         w.exchange = lambda a, b: False
@@ -421,7 +421,7 @@ BLOCKED_WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    import reshard.write.staged as w
+    import reshard.write._staged as w
 
     ready, release = Path({ready!r}), Path({release!r})
 

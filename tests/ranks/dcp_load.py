@@ -89,7 +89,7 @@ def main():
         from transformers import AutoModelForCausalLM
 
         import reshard
-        import reshard.load.storage as storage
+        import reshard.load._storage as storage
 
         reference = AutoModelForCausalLM.from_pretrained(src, use_kernels=False).state_dict()
         mesh_dense = init_device_mesh("cpu", (fsdp,), mesh_dim_names=("fsdp",))

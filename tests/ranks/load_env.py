@@ -59,7 +59,7 @@ def main():
         from transformers import AutoModelForCausalLM
 
         import reshard
-        import reshard.load.loader  # noqa: F401
+        import reshard.load._loader  # noqa: F401
 
         report["loading_at"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
         if mode == "reshard":

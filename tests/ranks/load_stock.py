@@ -7,7 +7,7 @@ Each rank
   (`prod(lengths) * itemsize`), taken from the load plan before any data is read;
 - loads OUT with `AutoModelForCausalLM.from_pretrained(OUT, distributed_config=DistributedConfig(...))`;
 - compares every local tensor (`to_local()`) bit-exactly with the slice of a single-process load of SRC that the
-  written plan (manifest placements, `reshard.plan.placement.local_box`) assigns to its coordinate;
+  written plan (manifest placements, `reshard.plan._placement.local_box`) assigns to its coordinate;
 - writes `REPORT_DIR/rank{r}.json`. Mismatches are reported, not raised, so the test sees every one.
 """
 
@@ -56,7 +56,7 @@ def main() -> None:
     HuggingFaceStorageReader.read_data = stock_read_data
 
     from reshard import read_manifest
-    from reshard.plan.placement import local_box
+    from reshard.plan import local_box
 
     manifest = read_manifest(out)
     mesh = manifest.mesh

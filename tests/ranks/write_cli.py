@@ -19,8 +19,8 @@ writing its output file C + 1, `model-0000{C+1}-of-...`, and only enospc):
   serve-drop           a merge across nodes: the ranks off node 0 drop every request unanswered and go on serving, as
                        a rank that stopped serving too early does (a deadlock no death explains)
 
-RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write.ranks.STALE_S).
-RESHARD_TEST_REPLY_S: seconds a writer waits for a serving rank's reply (reshard.write.peers.REPLY_S).
+RESHARD_TEST_STALE_S: seconds without a heartbeat after which a rank counts as gone (reshard.write._ranks.STALE_S).
+RESHARD_TEST_REPLY_S: seconds a writer waits for a serving rank's reply (reshard.write._peers.REPLY_S).
 
 The patch is made at import, outside the main guard: `--workers` processes are spawned and import this script as
 `__mp_main__`, so they get it too (the fault is passed to them in RESHARD_TEST_FAULT).
@@ -36,16 +36,16 @@ import sys
 import time
 from pathlib import Path
 
-import reshard.write.distributed
-import reshard.write.ranks
-import reshard.write.merge
-import reshard.write.peers
-import reshard.write.shards
+import reshard.write._distributed
+import reshard.write._ranks
+import reshard.write._merge
+import reshard.write._peers
+import reshard.write._shards
 
-_stock_write_file = reshard.write.shards.write_rank_file
-_stock_merge_file = reshard.write.merge.write_safetensors
-_stock_progress_bar = reshard.write.distributed.progress_bar
-_stock_answer = reshard.write.peers.Peers._answer
+_stock_write_file = reshard.write._shards.write_rank_file
+_stock_merge_file = reshard.write._merge.write_safetensors
+_stock_progress_bar = reshard.write._distributed.progress_bar
+_stock_answer = reshard.write._peers.Peers._answer
 bars = []
 
 
@@ -103,14 +103,14 @@ def _counted_progress_bar(total, progress, command):
     return _stock_progress_bar(total, progress, command)
 
 
-reshard.write.shards.write_rank_file = _faulty_write_file
-reshard.write.merge.write_safetensors = _faulty_merge_file
-reshard.write.distributed.progress_bar = _counted_progress_bar
-reshard.write.peers.Peers._answer = _slow_answer
+reshard.write._shards.write_rank_file = _faulty_write_file
+reshard.write._merge.write_safetensors = _faulty_merge_file
+reshard.write._distributed.progress_bar = _counted_progress_bar
+reshard.write._peers.Peers._answer = _slow_answer
 if os.environ.get("RESHARD_TEST_STALE_S"):  # notice a vanished rank sooner than in production
-    reshard.write.ranks.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
+    reshard.write._ranks.STALE_S = float(os.environ["RESHARD_TEST_STALE_S"])
 if os.environ.get("RESHARD_TEST_REPLY_S"):
-    reshard.write.peers.REPLY_S = float(os.environ["RESHARD_TEST_REPLY_S"])
+    reshard.write._peers.REPLY_S = float(os.environ["RESHARD_TEST_REPLY_S"])
 
 
 def main():
