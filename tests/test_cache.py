@@ -96,7 +96,7 @@ def test_unreadable_code_turns_the_cache_off(tiny, monkeypatch, tmp_path):
 @pytest.mark.slow  # a planning module edited in a copy of the package, planned again in fresh processes
 def test_an_edit_to_the_planning_code_misses_the_cache(tiny, tmp_path):
     """End to end: a copy of the package hits the cache the installed one filled (the key is the code, not its
-    path) until one line of its experts.py changes; then it builds the layout again (imports torch)."""
+    path) until one line of its _experts.py changes; then it builds the layout again (imports torch)."""
     import os
     import shutil
     from pathlib import Path
@@ -122,7 +122,9 @@ def test_an_edit_to_the_planning_code_misses_the_cache(tiny, tmp_path):
     assert Path(installed).parent == package and state == "TORCH"
     copied, state = plan(str(copy))
     assert Path(copied).parent == copy / "reshard" and state == "NO-TORCH"
-    with open(copy / "reshard" / "read" / "experts.py", "a") as f:
+    edited = copy / "reshard" / "read" / "_experts.py"
+    assert edited.is_file(), edited  # a planning module the layout cache keys on (renamed: edit the new name)
+    with open(edited, "a") as f:
         f.write("\n# a later release\n")
     assert plan(str(copy)) == (copied, "TORCH")
     assert len(list((tmp_path / "cache").glob("*.json"))) == 2
