@@ -5,7 +5,7 @@ Importing the package is cheap (no torch); each public name is imported from its
 
 from __future__ import annotations
 
-import importlib
+from .exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -47,14 +47,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'reshard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -10,7 +10,7 @@ import shlex
 
 from .errors import ArchitectureError, UsageError
 from .plan import LayoutMode, MeshSpec, RankSpans, make_plan
-from .read import DISTRIBUTED, Kind, OUTPUT_DTYPES, is_url, open_source
+from .read import DISTRIBUTED, SourceKind, OUTPUT_DTYPES, is_url, open_source
 from .results import EnvResult, FilesResult, MergeResult, PlanResult, ServedResult, VerifyResult, WriteResult
 
 
@@ -109,7 +109,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
     check_max_shard_size(max_shard_size)
     spans = RankSpans.parse(ranks) if isinstance(ranks, str) else ranks
-    kinds: list[Kind] = []
+    kinds: list[SourceKind] = []
 
     def read_job(store=None) -> WriteJob:
         opened = open_source(source, revision=revision, stream=stream, store=store)
@@ -153,11 +153,18 @@ def verify_folder(out, *, against=None, revision: str | None = None, checksums: 
     verify` runs. The problems are in the result (`ok` is False when there is any); see `reshard.verify`, which
     raises them. `ranks` (`RankSpans` or text like `8-15`): check only the files those ranks load (a node's copy
     staged by hand); a copy written for some ranks (`write --node-local`, `--ranks`) is checked for those."""
-    from .verification import check_folder
+    from .errors import VerifyError
+    from .read import Folder, open_folder
+    from .verification import check_folder, reworded
 
     spans = RankSpans.parse(ranks) if isinstance(ranks, str) else ranks
-    return check_folder(out, against=against, revision=revision, checksums=checksums, progress=progress,
-                        ranks=spans)
+    try:  # each opened once, here: the checker opens nothing the caller named
+        folder = out if isinstance(out, Folder) else open_folder(out, need_manifest=False)
+    except VerifyError as e:  # an unsound manifest: a problem of the folder, in the result
+        return VerifyResult(False, str(out), None if against is None else str(against), 0, 0, 0, 0,
+                            problems=tuple(e.problems))
+    source = None if against is None else reworded(lambda: open_source(against, revision=revision))
+    return check_folder(folder, against=source, checksums=checksums, progress=progress, ranks=spans)
 
 
 def verify(out, *, against=None, revision: str | None = None, checksums: bool = True,
@@ -298,7 +305,7 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
     against = str(source) if not node_local else recorded.source if recorded is not None else None
     return MergeResult(str(dest), str(source), len(job.names), sum(len(p) for p in job.parts),
                        len({t.target.name for p in job.parts for t in p}), sum(job.unit_sizes),
-                       job.layout_mode, Kind(job.index.kind), job.checked, len(job.layout.extras),
+                       job.layout_mode, SourceKind(job.index.kind), job.checked, len(job.layout.extras),
                        left_out(job.index, job.layout), against)
 
 

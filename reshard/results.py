@@ -14,7 +14,7 @@ from enum import Enum
 
 from .manifest import Manifest, write_label
 from .plan import MergeLayout, ReshardPlan
-from .read import Kind
+from .read import SourceKind
 from .words import mib, plural
 
 _UNCHECKED_SAVED = ("note: SRC was saved by save_pretrained(..., distributed_checkpoint=True), which records no "
@@ -77,7 +77,7 @@ class WriteResult:
         manifest: the manifest of OUT.
         out: OUT as given.
         source: SRC as given.
-        source_kind: what SRC is (`reshard.read._source.Kind`: a checkpoint, or a reshard or saved folder written
+        source_kind: what SRC is (`reshard.read._source.SourceKind`: a checkpoint, or a reshard or saved folder written
             from mesh to mesh).
         revision: the Hub revision asked for, or None.
         verify_against: the SRC `verify --against` can compare with (None for a reshard or saved SRC).
@@ -89,7 +89,7 @@ class WriteResult:
     manifest: Manifest
     out: str
     source: str
-    source_kind: Kind
+    source_kind: SourceKind
     revision: str | None = None
     node: str | None = None
     copies: tuple = ()
@@ -103,7 +103,7 @@ class WriteResult:
         m = self.manifest
         return _dump({"out": self.out, "files": len(m.files), "bytes": m.bytes, "tensors": len(m.tensors),
                       "dequantized_tensors": m.dequantized, "empty_markers": m.empty_markers,
-                      "source_crc32_checked": self.source_kind is Kind.RESHARD, "extras": self.extras,
+                      "source_crc32_checked": self.source_kind is SourceKind.RESHARD, "extras": self.extras,
                       "layout": m.layout.value, "mesh": m.mesh.to_dict(),
                       "distributed_config": m.mesh.distributed_config_kwargs()})
 
@@ -119,10 +119,10 @@ class WriteResult:
             lines.append(f"fetched from {self.source} by this node's ranks: {self.fetched:,} bytes "
                          f"({mib(self.fetched)})")
         lines += self._job_lines()
-        if self.source_kind is Kind.SAVED:
+        if self.source_kind is SourceKind.SAVED:
             lines.append(_UNCHECKED_SAVED)
         # A folder in the distributed-checkpoint layout is no `--against` source: verify checks the output on its own.
-        against = self.source if self.source_kind is Kind.CHECKPOINT else None
+        against = self.source if self.source_kind is SourceKind.CHECKPOINT else None
         lines.append("next:\n  " + _verify_line(self.out, against, self.revision)
                      + f"\n  load: reshard.from_pretrained({self.out!r}) on every rank of the job "
                        f"({m.mesh.distributed_config_repr()})")
@@ -262,7 +262,7 @@ class MergeResult:
             `fused`), the extras included.
         model_tensors: the model's in-memory tensors they hold.
         layout: how the tensors are named (`MergeLayout`).
-        source_kind: what SRC is (`reshard.read._source.Kind`: a reshard or saved folder).
+        source_kind: what SRC is (`reshard.read._source.SourceKind`: a reshard or saved folder).
         left_out: what the merge could not write back, or None.
         against: what the next line's `verify --against` compares DEST with (SRC; after `--node-local`, the
             original checkpoint the copies were written from, None when unknown).
@@ -275,7 +275,7 @@ class MergeResult:
     model_tensors: int
     bytes: int
     layout: MergeLayout
-    source_kind: Kind
+    source_kind: SourceKind
     source_crc32_checked: bool
     extras: int
     left_out: str | None = None

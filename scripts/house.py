@@ -33,7 +33,7 @@ MAX_MODULE_LINES = 500
 
 # (layer name, module prefixes), lowest first; a module takes the first layer whose prefix matches
 LAYERS = [
-    ("base", ("reshard.errors", "reshard.signals", "reshard.syscalls", "reshard.words")),
+    ("base", ("reshard.errors", "reshard.exports", "reshard.signals", "reshard.syscalls", "reshard.words")),
     ("plan", ("reshard.plan",)),
     ("manifest", ("reshard.manifest",)),
     ("read", ("reshard.read",)),

@@ -197,10 +197,10 @@ def bars(monkeypatch):
 
 
 def test_verify_shows_a_byte_bar_over_the_crc_pass_and_the_comparison(glm, bars, capsys):
-    from reshard.verification import check_folder
+    from reshard.api import verify_folder
 
     src, out = glm
-    summary = check_folder(out, against=src, progress=True)
+    summary = verify_folder(out, against=src, progress=True)
     assert summary.ok and len(bars) == 1
     bar = bars[0]
     file_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))

@@ -27,7 +27,7 @@ from reshard.errors import CheckpointError, OutputError
 from reshard.plan import MeshSpec
 from reshard.runs._direct import ALIGN, BLOCK_BYTES, DirectOutput
 from reshard.syscalls import dirty_room, page_cache_room
-from reshard.verification import check_folder
+from reshard.api import verify_folder
 
 from conftest import hang_guard
 
@@ -121,7 +121,7 @@ def test_direct_outputs_are_the_page_cache_ones_byte_for_byte(folders, direct, t
     assert len(direct) == len(list((tmp_path / "out").glob("*.safetensors")))
     assert same_files(root / f"reference-{job}", tmp_path / "out")  # reshard.json's CRC-32s included
     if job != "merge":
-        assert check_folder(tmp_path / "out", against=found["src"]).ok
+        assert verify_folder(tmp_path / "out", against=found["src"]).ok
     assert not [t.name for t in threading.enumerate() if t.name.startswith("reshard-write")]  # the ring is closed
 
 

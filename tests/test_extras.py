@@ -26,7 +26,7 @@ from reshard.plan import MeshSpec
 from reshard.plan import plan_to_dict, render_plan
 from reshard.manifest import SHARD_FILE_NAME as SAVED_FILE
 from reshard.tiny import add_tensors, make_tiny_checkpoint, quantize_checkpoint
-from reshard.verification import check_folder
+from reshard.api import verify_folder
 from reshard.api import merge_checkpoint
 from reshard.words import plural
 
@@ -75,21 +75,21 @@ def test_write_keeps_them_in_files_no_rank_reads(source, written):
     assert_equal_tensors(load_file(written / entry["name"]), mtp_tensors())  # byte for byte, dtypes kept
     listed = CliRunner().invoke(cli, ["files", str(written), "--ranks", "0-2"])
     assert listed.exit_code == 0 and "extra-" not in listed.output, listed.output
-    assert check_folder(written, against=source).ok
+    assert verify_folder(written, against=source).ok
 
 
 def test_merge_gives_every_on_disk_key_back_also_through_a_second_mesh(source, written, tmp_path):
     write_checkpoint(written, tmp_path / "second", SECOND, progress=False, max_shard_size=20_000)
     extras = json.loads((tmp_path / "second" / "reshard.json").read_text())["extras"]
     assert len(extras) > 1 and sorted(k for e in extras for k in e["keys"]) == sorted(mtp_tensors())
-    assert check_folder(tmp_path / "second", against=source).ok
+    assert verify_folder(tmp_path / "second", against=source).ok
     for n, folder in enumerate([written, tmp_path / "second"]):
         result = CliRunner().invoke(cli, ["merge", str(folder), str(tmp_path / f"m{n}"), "-q", "--json"])
         assert result.exit_code == 0, result.output
         summary = json.loads(result.output)
         assert summary["extras"] == len(mtp_tensors()) and summary["left_out"] is None
         assert_equal_tensors(tensors_of(tmp_path / f"m{n}"), tensors_of(source))  # exactly SRC's keys and bytes
-        assert check_folder(tmp_path / f"m{n}", against=source).ok
+        assert verify_folder(tmp_path / f"m{n}", against=source).ok
     merge_checkpoint(tmp_path / "second", tmp_path / "fused", layout="fused", progress=False)
     fused = tensors_of(tmp_path / "fused")
     assert_equal_tensors({k: fused[k] for k in mtp_tensors()}, mtp_tensors())  # under their own keys there too
@@ -101,10 +101,10 @@ def test_verify_names_a_changed_or_missing_extras_file(written, tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    problems = check_folder(copy).problems
+    problems = verify_folder(copy).problems
     assert problems == ("extra-00001-of-00001.safetensors: CRC-32 differs from the manifest (the file is corrupt)",)
     path.unlink()
-    problems = check_folder(copy).problems
+    problems = verify_folder(copy).problems
     assert len(problems) == 1 and problems[0].startswith("extra-00001-of-00001.safetensors: missing"), problems
     with pytest.raises(ReshardError, match="extra-00001-of-00001.safetensors: missing"):
         merge_checkpoint(copy, tmp_path / "dest", progress=False)
@@ -118,7 +118,7 @@ def test_drop_unloaded_leaves_them_out_and_merge_says_so(source, written, tmp_pa
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "reshard.json").read_text())
     assert "extras" not in manifest and manifest["dropped_unloaded"] == len(mtp_tensors())
-    assert not list(out.glob("extra-*")) and check_folder(out, against=source).ok
+    assert not list(out.glob("extra-*")) and verify_folder(out, against=source).ok
     result = CliRunner().invoke(cli, ["merge", str(out), str(tmp_path / "m"), "-q"])
     assert result.exit_code == 0, result.output
     assert f"left out: {out} was written with --drop-unloaded: {plural(len(mtp_tensors()), 'tensor')}" in result.output
@@ -162,7 +162,7 @@ def test_a_dequantizing_write_dequantizes_their_quantized_pairs(tmp_path):
     assert plan_to_dict(plan_checkpoint(src, UNEVEN).plan, "SRC")["extras"]["dequantized"] == 3
     out = tmp_path / "out"
     write_checkpoint(src, out, UNEVEN, dequantize="bf16", progress=False)
-    assert check_folder(out, against=src).ok  # recomputed from the FP8 source, bit for bit
+    assert verify_folder(out, against=src).ok  # recomputed from the FP8 source, bit for bit
     merge_checkpoint(out, tmp_path / "merged", progress=False)
     merged = tensors_of(tmp_path / "merged")
     assert not [k for k in merged if k.endswith("_scale_inv")]  # one consistent bf16 checkpoint
@@ -196,8 +196,8 @@ def test_a_trained_folder_takes_them_from_where_training_started(source, written
         assert result.exit_code == 0, result.output
         assert "left out" not in result.output
         assert_equal_tensors(tensors_of(dest), expected)
-        assert check_folder(dest, against=trained).ok  # the extras compared with where they came from
-        assert check_folder(dest, against=source).ok
+        assert verify_folder(dest, against=trained).ok  # the extras compared with where they came from
+        assert verify_folder(dest, against=source).ok
 
 
 def test_extras_from_refuses_another_model_or_a_folder_without_them(source, written, tmp_path):

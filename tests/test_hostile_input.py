@@ -30,7 +30,7 @@ from reshard.errors import CheckpointError, OutputError, UsageError
 from reshard.plan import RankSpans
 from reshard.plan import MeshSpec
 from reshard.read._source import read_checkpoint
-from reshard.verification import check_folder
+from reshard.api import verify_folder
 from reshard.api import merge_checkpoint
 
 from conftest import hang_guard
@@ -101,7 +101,7 @@ def test_an_intact_reshard_folder_still_merges_and_writes_exactly(folders, tmp_p
     result = invoke("write", good, tmp_path / "fsdp4", "--fsdp", "4", "-q", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["source_crc32_checked"] is True
-    assert check_folder(tmp_path / "fsdp4", against=src).ok
+    assert verify_folder(tmp_path / "fsdp4", against=src).ok
 
 
 def torch_equal(a, b) -> bool:
@@ -255,7 +255,7 @@ def test_the_manifest_does_not_grow_with_dp_replicate(folders, tmp_path):
     result = invoke("files", tmp_path / "dp1000", "--ranks", "1999")  # the last replica's coordinate 1
     assert result.exit_code == 0 and "shard-00002-model-00001-of-00001.safetensors" in result.output, result.output
     assert "shard-00001-" not in result.output
-    assert check_folder(tmp_path / "dp1000", against=src).ok
+    assert verify_folder(tmp_path / "dp1000", against=src).ok
 
 
 def test_a_mesh_of_65536_coordinates_plans_in_readable_lines(folders):
@@ -410,7 +410,7 @@ def test_sigterm_during_a_write_of_many_files_exits_before_deleting_them_and_say
     assert not Path(marker.read_text()).exists()  # the live temporary name is free: renamed stale
     if command == "write":
         write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)  # the next write removes what was left
-        assert check_folder(out, against=src).ok
+        assert verify_folder(out, against=src).ok
     else:
         merge_checkpoint(src, out, progress=False)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []

@@ -32,9 +32,9 @@ from reshard.load._loader import assemble_state_dict
 from reshard import read_manifest
 from reshard.manifest import MANIFEST_NAME, Manifest
 from reshard.plan import MeshSpec
-from reshard.read._source import Kind
+from reshard.read._source import SourceKind
 from reshard.read import open_source
-from reshard.verification import check_folder
+from reshard.api import verify_folder
 
 from conftest import examples, hang_guard, rank_reports, run_ranks
 
@@ -511,7 +511,7 @@ def test_the_writer_types_its_manifest_as_its_document_reads_back(written, tmp_p
         patched.setattr(reshard.manifest._parsed, "validate_manifest", refuse)
         result = write_checkpoint(src, out, MeshSpec(fsdp=FSDP, ep=EP), progress=False, **how)
     built = result.manifest
-    assert result.source_kind is Kind.CHECKPOINT  # an enum, printed as its value
+    assert result.source_kind is SourceKind.CHECKPOINT  # an enum, printed as its value
     assert json.loads(result.to_json())["layout"] == how.get("mode", "balanced")
     assert built.to_json() == (out / MANIFEST_NAME).read_text()
     assert built == read_manifest(out)  # every field (the document itself is not compared)
@@ -603,7 +603,7 @@ def outcome(folder: Path, reference: dict, *, reader: bool = True) -> str:
 
     results = []
     with alarm():
-        verified = check_folder(folder)  # problems are returned; a raw exception fails
+        verified = verify_folder(folder)  # problems are returned; a raw exception fails
         try:
             assert_exact(assemble_state_dict(folder), reference)
             results.append("exact")

@@ -26,7 +26,7 @@ from reshard.read import open_source
 from reshard.errors import CheckpointError, OutputError
 from reshard.api import merge_checkpoint
 from reshard.plan import MeshSpec
-from reshard.verification import check_folder
+from reshard.api import verify_folder
 
 from conftest import assert_equal_tensors, tensors_of
 
@@ -86,8 +86,8 @@ def test_merge_gives_the_source_back_as_a_standard_checkpoint(written, tmp_path)
             assert handle.metadata() == {"format": "pt"}  # plain safetensors, no DCP metadata
     assert not (dest / "reshard.json").exists()
     assert (dest / "config.json").read_text() == (src / "config.json").read_text()
-    assert check_folder(dest, against=src).ok  # round-trip proof, against the original checkpoint
-    assert check_folder(dest, against=folder).ok  # and against the reshard folder
+    assert verify_folder(dest, against=src).ok  # round-trip proof, against the original checkpoint
+    assert verify_folder(dest, against=folder).ok  # and against the reshard folder
 
 
 def test_fused_layout_keeps_the_in_memory_names(written, tmp_path):
@@ -99,7 +99,7 @@ def test_fused_layout_keeps_the_in_memory_names(written, tmp_path):
     assert_equal_tensors(tensors_of(tmp_path / "fused"), reference)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fused", use_kernels=False).state_dict()
     assert_equal_tensors(loaded, reference)
-    assert check_folder(tmp_path / "fused", against=src).ok
+    assert verify_folder(tmp_path / "fused", against=src).ok
 
 
 def test_mesh_to_mesh_write_from_a_reshard_folder_and_a_saved_folder(written, tmp_path):
@@ -114,7 +114,7 @@ def test_mesh_to_mesh_write_from_a_reshard_folder_and_a_saved_folder(written, tm
         out = tmp_path / f"out{n}"
         result = CliRunner().invoke(cli, ["write", str(source), str(out), "--fsdp", "4", "--ep", "2", "-q"])
         assert result.exit_code == 0, result.output
-        assert check_folder(out, against=src).ok
+        assert verify_folder(out, against=src).ok
         assert_equal_tensors(reshard.from_pretrained(out).state_dict(), reference)
         merge_checkpoint(out, tmp_path / f"merged{n}", progress=False)  # the source layout travels along
         assert_equal_tensors(tensors_of(tmp_path / f"merged{n}"), tensors_of(src))
@@ -128,10 +128,32 @@ def test_verify_of_a_merged_folder_catches_a_changed_byte(written, tmp_path):
     raw = bytearray(file.read_bytes())
     raw[-3] ^= 0x40
     file.write_bytes(bytes(raw))
-    summary = check_folder(dest, against=src)
+    summary = verify_folder(dest, against=src)
     assert not summary.ok and any("differs from the source" in p for p in summary.problems)
     result = CliRunner().invoke(cli, ["verify", str(dest), "--against", str(src), "-q"])
     assert result.exit_code == 1 and "differs from the source" in result.output
+
+
+def test_verify_opens_the_folder_and_the_source_once_each(written, tmp_path, monkeypatch):
+    """verify's checker opens nothing the caller named: `reshard verify OUT --against SRC` locates OUT and SRC once
+    each, for a reshard folder and for a merged one (whose headers are read through the store it was opened with)."""
+    import reshard.read._source as source
+
+    src, folder = written
+    dest = tmp_path / "dest"
+    merge_checkpoint(folder, dest, progress=False)
+    located, locate = [], source.locate
+
+    def counted(spec, **kwargs):
+        located.append(str(spec))
+        return locate(spec, **kwargs)
+
+    monkeypatch.setattr(source, "locate", counted)
+    for out in (folder, dest):
+        located.clear()
+        result = CliRunner().invoke(cli, ["verify", str(out), "--against", str(src), "-q"])
+        assert result.exit_code == 0, result.output
+        assert sorted(located) == sorted([str(out), str(src)]), located
 
 
 def test_the_merge_index_is_typed_and_verify_checks_the_layout_it_records(written, tmp_path):
@@ -140,7 +162,7 @@ def test_the_merge_index_is_typed_and_verify_checks_the_layout_it_records(writte
     import reshard
     from reshard.errors import VerifyError
     from reshard.plan import MergeLayout
-    from reshard.read._source import Kind
+    from reshard.read._source import SourceKind
     from reshard.results import Checked
     from reshard.write import MergeIndex
 
@@ -148,7 +170,7 @@ def test_the_merge_index_is_typed_and_verify_checks_the_layout_it_records(writte
     for layout, other in (("fused", "original"), ("original", "fused")):
         dest = tmp_path / layout
         result = merge_checkpoint(folder, dest, layout=layout, progress=False)
-        assert result.layout is MergeLayout(layout) and result.source_kind is Kind.RESHARD  # enums, not strings
+        assert result.layout is MergeLayout(layout) and result.source_kind is SourceKind.RESHARD  # enums, not strings
         path = dest / "model.safetensors.index.json"
         text = path.read_text()
         index = MergeIndex.from_document(json.loads(text))
@@ -157,7 +179,7 @@ def test_the_merge_index_is_typed_and_verify_checks_the_layout_it_records(writte
         document = json.loads(text)
         document["metadata"]["layout"] = other
         path.write_text(json.dumps(document, indent=2) + "\n")
-        assert check_folder(dest).ok  # without --against there is no source to name the keys
+        assert verify_folder(dest).ok  # without --against there is no source to name the keys
         with pytest.raises(VerifyError, match=re.escape(f"records the {other} layout, but the keys are not the "
                                                         f"source's") + r".*\(they are the " + layout):
             reshard.verify(dest, against=src)
@@ -261,7 +283,7 @@ def test_overwrite_rules(written, tmp_path):
         merge_checkpoint(folder, src, progress=False, overwrite=True)  # a user's own HF checkpoint is never replaced
     with pytest.raises(OutputError, match="is or holds the source"):
         merge_checkpoint(folder, folder, progress=False, overwrite=True)
-    assert check_folder(folder, against=src).ok
+    assert verify_folder(folder, against=src).ok
 
 
 def test_an_interrupted_merge_leaves_nothing(written, tmp_path, monkeypatch):

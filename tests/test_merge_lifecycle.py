@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from reshard.api import write_checkpoint
 from reshard.cli import cli
 from reshard.plan import MeshSpec
-from reshard.verification import check_folder
+from reshard.api import verify_folder
 
 from conftest import rank_reports, run_ranks
 from test_extras import mtp_tensors
@@ -79,7 +79,7 @@ def test_train_save_merge_and_resume_on_another_mesh(tiny, tmp_path):
         assert loaded.keys() == trained.keys()
         for key, tensor in trained.items():
             assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
-        assert check_folder(dest, against=saved).ok
+        assert verify_folder(dest, against=saved).ok
         if name == "deepseek":  # the MTP layer back from the reshard folder the training started from
             with_mtp = tmp_path / f"{name}-published-mtp"
             result = CliRunner().invoke(cli, ["merge", str(saved), str(with_mtp), "-q", "--extras-from",
@@ -89,7 +89,7 @@ def test_train_save_merge_and_resume_on_another_mesh(tiny, tmp_path):
             assert set(merged) == keys | set(mtp_tensors()) and keys & set(mtp_tensors()) == set()
             for key, tensor in mtp_tensors().items():
                 assert merged[key].dtype == tensor.dtype and torch.equal(merged[key], tensor), key
-            assert check_folder(with_mtp, against=saved).ok
+            assert verify_folder(with_mtp, against=saved).ok
         out2 = tmp_path / f"{name}-fsdp5"
         result = CliRunner().invoke(cli, ["write", str(saved), str(out2), "--fsdp", "5", "-q"])
         assert result.exit_code == 0, result.output

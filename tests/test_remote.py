@@ -15,7 +15,8 @@ import pytest
 from reshard.api import write_checkpoint
 from reshard.plan import MeshSpec
 from reshard.read import _content as content
-from reshard.runs import _fetch as fetch
+from reshard.read import DEPTH, RANGE
+from reshard.read import _ranges as coalesced
 
 from conftest import rank_reports, run_ranks
 
@@ -89,7 +90,7 @@ def test_write_from_s3_is_byte_identical_to_the_local_write_in_few_requests(s3, 
     assert len(ranges) - len(spans) == content.SAMPLES, ranges
     assert all(end < start for (_, end), (start, _) in zip(spans, spans[1:])), spans
     data_bytes = (src / "model.safetensors").stat().st_size
-    assert len(spans) == -(-data_bytes // fetch.RANGE), spans
+    assert len(spans) == -(-data_bytes // RANGE), spans
     verify = cli(s3, "verify", tmp_path / "remote", "--against", url["src"])
     assert verify.returncode == 0 and "equal to s3://" in verify.stdout, verify.stderr
 
@@ -204,10 +205,9 @@ def _fetch_threads() -> list[str]:
 
 
 def test_a_write_from_s3_in_ranges_shorter_than_its_runs_is_the_local_write(s3, uploaded, tmp_path, monkeypatch):
-    import reshard.runs._fetch as fetch
 
     src, _, url = uploaded
-    monkeypatch.setattr(fetch, "RANGE", SMALL_RANGE)
+    monkeypatch.setattr(coalesced, "RANGE", SMALL_RANGE)
     write_checkpoint(url["src"], tmp_path / "remote", MESH, progress=False)
     write_checkpoint(src, tmp_path / "local", MESH, progress=False)
     same_folders(tmp_path / "remote", tmp_path / "local")
@@ -217,23 +217,22 @@ def test_a_write_from_s3_in_ranges_shorter_than_its_runs_is_the_local_write(s3, 
     lengths = [int(b) - int(a) + 1 for a, b in (r.range.removeprefix("bytes=").split("-") for r in data)]
     assert lengths.count(SAMPLE_BYTES) >= SAMPLES  # the write identity's samples of the data (read.content)
     fill = [n for n in lengths if n != SAMPLE_BYTES]
-    assert max(fill) == SMALL_RANGE and len(fill) > 4 * (fetch.DEPTH + 1), lengths  # many ranges, in flight
+    assert max(fill) == SMALL_RANGE and len(fill) > 4 * (DEPTH + 1), lengths  # many ranges, in flight
     assert _fetch_threads() == []
 
 
 def test_a_range_failing_mid_overlap_leaves_nothing_and_no_thread(s3, uploaded, tmp_path, monkeypatch):
     from reshard.errors import CheckpointError
     import reshard.read._remote as remote
-    import reshard.runs._fetch as fetch
 
     _, _, url = uploaded
-    monkeypatch.setattr(fetch, "RANGE", SMALL_RANGE)
-    seen = _failing_range(monkeypatch, remote.S3Store, after=fetch.DEPTH + 3)  # ranges before and after it in flight
+    monkeypatch.setattr(coalesced, "RANGE", SMALL_RANGE)
+    seen = _failing_range(monkeypatch, remote.S3Store, after=DEPTH + 3)  # ranges before and after it in flight
     out = tmp_path / "models" / "out"
     out.parent.mkdir()
     with pytest.raises(CheckpointError, match=r"failed after 4 attempts \(ConnectionResetError.*Nothing was kept"):
         write_checkpoint(url["src"], out, MESH, progress=False)
-    assert len(seen) > fetch.DEPTH + 3  # the failing range was one of several in flight
+    assert len(seen) > DEPTH + 3  # the failing range was one of several in flight
     assert not out.exists() and list(out.parent.iterdir()) == []
     assert _fetch_threads() == []
 

@@ -17,7 +17,7 @@ from reshard.api import plan_checkpoint, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError
 from reshard.plan import MeshSpec
-from reshard.read._source import Kind, Where
+from reshard.read._source import SourceKind, Where
 from reshard.read import locate, open_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_a_cache_snapshot_folder_is_a_source_and_writes_what_the_plain_folder_wr
     snapshot = cache_snapshot(src, tmp_path / "hub")
     assert all(p.is_symlink() for p in snapshot.iterdir())  # every file a link out of the snapshot, into blobs/
     location = locate(snapshot)
-    assert (location.where, location.kind) == (Where.HF_CACHE, Kind.CHECKPOINT)
+    assert (location.where, location.kind) == (Where.HF_CACHE, SourceKind.CHECKPOINT)
     write_checkpoint(src, tmp_path / "plain", MESH, progress=False)
     result = invoke("write", snapshot, tmp_path / "cached", "--fsdp", 4, "-q")
     assert result.exit_code == 0, result.output

@@ -8,8 +8,9 @@ name does not import the others' dependencies (torch, numpy).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
 
 if TYPE_CHECKING:  # the names for static tools; at run time each comes on first use
     from ._hooks import TESTED_RANGE, UntestedTransformersWarning, check_hooks, in_tested_range, minor_of
@@ -47,14 +48,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -21,7 +21,7 @@ INDEX_NAME = "model.safetensors.index.json"
 _SINGLE_NAME = "model.safetensors"
 
 
-class Kind(str, Enum):
+class SourceKind(str, Enum):
     """What a source holds."""
 
     CHECKPOINT = "checkpoint"  # safetensors weights under their on-disk keys (an HF checkpoint, maybe quantized)

@@ -32,7 +32,7 @@ from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY,
                         header_problems, read_manifest, region_text, tied_from_record)
 from ..plan import ModelLayout, Piece, RankSpans, TargetTensor, ranks_text, role_of, whole_tensor
 from ..words import plural
-from ._checkpoint import CheckpointIndex, Kind, copied_files, read_config
+from ._checkpoint import CheckpointIndex, SourceKind, copied_files, read_config
 from ._safetensors_header import FileHeader, TensorEntry, header_of
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class DcpIndex(CheckpointIndex):
     """A `CheckpointIndex` over a distributed-checkpoint folder: `tensors` are its chunks under synthetic keys.
 
     Attributes:
-        kind: `Kind.RESHARD` (a `reshard write` folder) or `Kind.SAVED` (`save_pretrained(...,
+        kind: `SourceKind.RESHARD` (a `reshard write` folder) or `SourceKind.SAVED` (`save_pretrained(...,
             distributed_checkpoint=True)`).
         original: per in-memory tensor, the on-disk keys of the source layout that make it
             (`reshard.manifest.OnDisk` tuples), or None when unknown (`original_error` says why).
@@ -51,7 +51,7 @@ class DcpIndex(CheckpointIndex):
         manifest: a reshard folder's manifest (`reshard.manifest.Manifest`), None for a saved folder.
     """
 
-    kind: Kind = Kind.SAVED
+    kind: SourceKind = SourceKind.SAVED
     original: dict | None = None
     original_error: str | None = None
     tied: tuple[str, ...] = ()
@@ -77,9 +77,9 @@ def read_dcp_source(location) -> tuple[DcpIndex, ModelLayout]:
             a gap, or have mixed dtypes (each named with the region or the files).
         ArchitectureError: a saved folder's model type is unknown to transformers.
     """
-    if location.kind is Kind.RESHARD:
+    if location.kind is SourceKind.RESHARD:
         return _read_reshard_folder(location.store, location.spec)
-    if location.kind is Kind.SAVED:
+    if location.kind is SourceKind.SAVED:
         return _read_saved_folder(location.store, location.spec)
     raise CheckpointError(f"{location.spec}: no reshard.json and no shard-RRRRR-model-PPPPP-of-NNNNN.safetensors. This "
                           "is neither a reshard folder (`reshard write`) nor a folder saved by transformers' "
@@ -138,7 +138,7 @@ def _read_reshard_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
     original, error = manifest.original_layout()
     crc32 = {**{e.name: e.crc32 for e in manifest.files}, **{e.name: e.crc32 for e in manifest.extras}}
     index = DcpIndex(spec, None, store, read_config(store), tuple(headers), entries,
-                     copied_files(store, {h.name for h in headers} | {MANIFEST_NAME}), kind=Kind.RESHARD,
+                     copied_files(store, {h.name for h in headers} | {MANIFEST_NAME}), kind=SourceKind.RESHARD,
                      original=original, original_error=error, tied=tied_from_record(original), crc32=crc32,
                      manifest=manifest)
     return index, layout
@@ -249,7 +249,7 @@ def _read_saved_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
         original, error = None, (f"{config['model_type']}: transformers' save_pretrained layout cannot be written by "
                                  f"slicing ({e}); use --layout fused")
     index = DcpIndex(spec, None, store, config, tuple(headers), entries, copied_files(store, set(names)),
-                     kind=Kind.SAVED, original=original, original_error=error, tied=tuple(tied))
+                     kind=SourceKind.SAVED, original=original, original_error=error, tied=tuple(tied))
     return index, layout
 
 

@@ -15,6 +15,7 @@ class JoinedStore(Store):
         self.main, self.prefix, self.other = main, prefix, other
         self.location = main.location
         self.remote = main.remote or other.remote
+        self.in_flight = max(main.in_flight, other.in_flight)
 
     @property
     def fetched(self) -> int:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import abstractmethod
 from pathlib import Path, PurePosixPath
 
 from ..errors import CheckpointError, SourceChangedError
-from ._range_file import RangeFile
+from ._range_file import DEPTH, RangeFile
 from ._store import READ_BLOCK, LocalStore, Store, changed, check_name
 
 ATTEMPTS = 4  # tries of one remote request before it is an error
@@ -52,6 +53,8 @@ class RemoteStore(Store):
 
     A back end says how one ranged request fills a buffer (`_get_into`).
     """
+
+    in_flight = DEPTH  # each request costs a round trip: `read_ranges` keeps this many going
 
     def __init__(self, fs, base: str, location: str):
         self.fs, self.base, self.location = fs, base.rstrip("/"), location.rstrip("/")
@@ -153,10 +156,10 @@ class RemoteStore(Store):
                                   "belong is unknown. Use a server that honours ranged GETs. Nothing was kept.",
                                   path=self.url(name))
 
+    @abstractmethod
     def _get_into(self, name: str, path: str, start: int, view: memoryview) -> int:
         """Bytes `[start, start + len(view))` of the object at `path` into `view`, in one request; the bytes the
         answer has (more than `len(view)`: a server that ignored the range, whose bytes are not kept)."""
-        raise NotImplementedError
 
 
 class S3Store(RemoteStore):
@@ -216,6 +219,7 @@ class CachedHubStore(Store):
     def __init__(self, remote: RemoteStore, repo_id: str, commit: str):
         self.remote, self.repo_id, self.commit = remote, repo_id, commit
         self.location = remote.location
+        self.in_flight = remote.in_flight
         self._local: dict[str, LocalStore | None] = {}
 
     @property

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, UsageError
 from ..manifest import MANIFEST_NAME, Manifest, SHARD_FILE_NAME, read_manifest
-from ._checkpoint import CheckpointIndex, Kind, checkpoint_index
+from ._checkpoint import CheckpointIndex, SourceKind, checkpoint_index
 from ._hub import cache_repo_of, hub_store
 from ._remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, S3Store
 from ._store import LocalStore, Store
@@ -62,7 +62,7 @@ class _Location:
 
     spec: str
     where: Where
-    kind: Kind
+    kind: SourceKind
     store: Store
     revision: str | None = None
     single_file: str | None = None
@@ -88,6 +88,15 @@ class Folder:
     @property
     def store(self) -> Store:
         return self.location.store
+
+    def as_source(self) -> "_Source":
+        """This folder read as a source, through the store it was opened with (a merged folder that `verify` checks
+        has no manifest: its headers are its index).
+
+        Raises:
+            CheckpointError: as `open_source`.
+        """
+        return _read_source(self.location)
 
 
 def open_folder(spec, *, need_manifest: bool = True) -> Folder:
@@ -125,7 +134,7 @@ class _Source:
         return self.location.spec
 
     @property
-    def kind(self) -> Kind:
+    def kind(self) -> SourceKind:
         return self.location.kind
 
     @property
@@ -213,25 +222,25 @@ def _local(spec: str, path: Path, outside_links: bool = False) -> _Location:
     if path.is_file() or (path.exists() and not path.is_dir()):
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: not a .safetensors file or a folder.", path=str(path))
-        return _Location(spec, Where.LOCAL, Kind.CHECKPOINT, LocalStore(path.parent), single_file=path.name)
+        return _Location(spec, Where.LOCAL, SourceKind.CHECKPOINT, LocalStore(path.parent), single_file=path.name)
     repo = cache_repo_of(path)
     if repo is not None:
         return _located(spec, Where.HF_CACHE, LocalStore(path, cache_repo=repo))
     return _located(spec, Where.LOCAL, LocalStore(path, links_anywhere=outside_links))
 
 
-def _kind_of(names) -> Kind:
+def _kind_of(names) -> SourceKind:
     """A folder's kind from its file names: a manifest makes a reshard folder, rank files a saved one."""
     if MANIFEST_NAME in names:
-        return Kind.RESHARD
+        return SourceKind.RESHARD
     if any(SHARD_FILE_NAME.match(n) for n in names):
-        return Kind.SAVED
-    return Kind.CHECKPOINT
+        return SourceKind.SAVED
+    return SourceKind.CHECKPOINT
 
 
 def _located(spec: str, where: Where, store: Store, revision: str | None = None) -> _Location:
     kind = _kind_of(store.names())
-    if kind is not Kind.CHECKPOINT and isinstance(store, LocalStore):
+    if kind is not SourceKind.CHECKPOINT and isinstance(store, LocalStore):
         # a distributed checkpoint's rank files may be links (a node's copy assembled from another disk): what each
         # must hold is checked against the manifest or the headers; copied files must still be inside
         store.links_anywhere = True
@@ -283,7 +292,7 @@ def _s3_object(url: str) -> _Location | None:
         store = _s3_store(parent)
     except CheckpointError:
         return None
-    return _Location(url, Where.S3, Kind.CHECKPOINT, store, single_file=name) if name in store.names() else None
+    return _Location(url, Where.S3, SourceKind.CHECKPOINT, store, single_file=name) if name in store.names() else None
 
 
 def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> _Location:
@@ -291,16 +300,16 @@ def _hub(repo_id: str, revision: str | None, *, stream: bool, data: bool) -> _Lo
     store = hub_store(repo_id, revision, stream=stream, data=data)
     if isinstance(store, LocalStore):
         return _Location(repo_id, Where.HUB, _kind_of(store.names()), store, revision)
-    return _Location(repo_id, Where.HUB_STREAM, Kind.CHECKPOINT, store, revision)
+    return _Location(repo_id, Where.HUB_STREAM, SourceKind.CHECKPOINT, store, revision)
 
 
 # ---- opening --------------------------------------------------------------------------------------------------------
 
-DISTRIBUTED = (Kind.RESHARD, Kind.SAVED)
+DISTRIBUTED = (SourceKind.RESHARD, SourceKind.SAVED)
 
 
 def open_source(spec, *, revision: str | None = None, stream: bool = False, data: bool = True,
-                kinds: tuple[Kind, ...] | None = None, store: Store | None = None) -> _Source:
+                kinds: tuple[SourceKind, ...] | None = None, store: Store | None = None) -> _Source:
     """Open any source: locate it (`locate`), read its index from metadata, and for a quantized checkpoint take the
     bf16 view (`reshard.read._quant.dequantized_view`). What `plan`, `write`, `verify --against`, `merge` (and its
     `--extras-from`) run.
@@ -322,7 +331,7 @@ def open_source(spec, *, revision: str | None = None, stream: bool = False, data
     Example:
         >>> source = open_source("s3://models/GLM-4.6")  # doctest: +SKIP
         >>> source.kind, len(source.index.files)  # doctest: +SKIP
-        (<Kind.CHECKPOINT: 'checkpoint'>, 93)
+        (<SourceKind.CHECKPOINT: 'checkpoint'>, 93)
     """
     location = (locate(spec, revision=revision, stream=stream, data=data) if store is None else
                 _located(os.fspath(spec), Where.LOCAL, store))
@@ -331,7 +340,12 @@ def open_source(spec, *, revision: str | None = None, stream: bool = False, data
                               "save_pretrained(..., distributed_checkpoint=True): no reshard.json and no "
                               "shard-RRRRR-model-PPPPP-of-NNNNN.safetensors; pass one of those. To write a checkpoint "
                               "for a mesh instead: `reshard write SRC OUT --fsdp N`. Nothing was written.", path=spec)
-    if location.kind is not Kind.CHECKPOINT:
+    return _read_source(location)
+
+
+def _read_source(location: _Location) -> _Source:
+    """The source at `location`, already located: its index read through the location's store."""
+    if location.kind is not SourceKind.CHECKPOINT:
         from ._dcp_source import read_dcp_source
 
         index, layout = read_dcp_source(location)
@@ -356,7 +370,7 @@ def read_checkpoint(spec, *, revision: str | None = None, need_data: bool = Fals
         CheckpointError: as `open_source`; also for a reshard or saved folder, which is no checkpoint of its own.
     """
     location = locate(spec, revision=revision, data=need_data)
-    if location.kind is not Kind.CHECKPOINT:
+    if location.kind is not SourceKind.CHECKPOINT:
         raise CheckpointError(f"{spec}: a {location.kind.value} folder, not a checkpoint in its own layout; open it "
                               "with open_source.", path=str(spec))
     return _checkpoint(location)

@@ -20,9 +20,11 @@ from abc import ABC, abstractmethod
 import threading
 import weakref
 from pathlib import Path, PurePosixPath
+from typing import Callable, Sequence
 
 from ..errors import CheckpointError, SourceChangedError
 from ..syscalls import pread_full
+from ._ranges import ByteRange, Piece, read_ranges
 
 READ_BLOCK = 32 << 20  # the largest ranged request: bounds the memory a remote read holds
 HEADER_PROBE = 64 << 10  # a header's first request: the length prefix and, almost always, the whole header
@@ -41,6 +43,7 @@ class Store(ABC):
     requests: int = 0
     fetched: int = 0
     remote: bool = True  # reads cost a request each: batch them, fetch headers concurrently
+    in_flight: int = 0  # requests `read_ranges` keeps going while the caller uses one: where each costs a round trip
 
     def url(self, name: str) -> str:
         """Where file `name` is, as messages show it."""
@@ -65,6 +68,22 @@ class Store(ABC):
     def readinto(self, name: str, start: int, view: memoryview) -> None:
         """Fill `view` with the bytes of `name` from `start`."""
         view[:] = self.read(name, start, len(view))
+
+    def read_ranges(self, ranges: Sequence[ByteRange], deliver: Callable[[Piece], None], *,
+                    buffers: list[bytearray] | None = None, each: Callable[[memoryview], object] | None = None) -> None:
+        """Read many ranges in few requests, in source order: neighbours are joined into requests of at most `RANGE`
+        bytes, `in_flight` of them kept going while the caller uses one (`reshard.read._ranges`).
+
+        Args:
+            ranges: what to read, `ByteRange(name, start, length)` each.
+            deliver: called on this thread with each `Piece` (the range's index, the offset into it, its bytes, and
+                `each(bytes)`) as it arrives: in source order, not the order of `ranges`; a range longer than a
+                request comes in several pieces.
+            buffers: where the requests land, kept by the caller from call to call (their pages fault in once).
+            each: work on each piece's bytes done where they arrived (a fetch thread): a CRC-32.
+
+        A failure stops the requests not yet made and waits for the others: nothing is left running."""
+        read_ranges(self, ranges, deliver, in_flight=self.in_flight, buffers=buffers, each=each)
 
     def local_path(self, name: str) -> Path | None:
         """The local file behind `name` (checked as `read` checks it), or None when it is not on this machine."""

@@ -8,14 +8,15 @@ name does not import the others' dependencies (torch, numpy).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
 
 if TYPE_CHECKING:  # the names for static tools; at run time each comes on first use
     from ._byte_runs import Run, chunk_runs, placed_runs, row_major_strides
     from ._dequant import Dequantizer, check_decodable
     from ._engine import Engine
-    from ._fetch import remember, spans
+    from ._fetch import remember
     from ._source_check import SourceCrcs
 
 _EXPORTS = {
@@ -28,23 +29,12 @@ _EXPORTS = {
     "placed_runs": "_byte_runs",
     "remember": "_fetch",
     "row_major_strides": "_byte_runs",
-    "spans": "_fetch",
 }
 
 __all__ = [
     "Dequantizer", "Engine", "Run", "SourceCrcs", "check_decodable", "chunk_runs", "placed_runs", "remember",
-    "row_major_strides", "spans",
+    "row_major_strides",
 ]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -8,8 +8,9 @@ Its interface is `__all__`, imported from the package (`from reshard.verificatio
 (`_name.py`) and used inside `verification` only.
 """
 
+from ._common import reworded
 from ._folder import check_folder
 
 __all__ = [
-    "check_folder",
+    "check_folder", "reworded",
 ]

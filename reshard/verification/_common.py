@@ -1,24 +1,26 @@
-"""What both checkers share: how a source is opened for a check, and how many bytes are compared at a time."""
+"""What both checkers share: how an error of a source read for a check is worded, and how many bytes are compared at a
+time."""
 
 from __future__ import annotations
 
+import copy
+from typing import Callable, TypeVar
+
 from ..errors import ReshardError
-from ..read import open_source
+
+T = TypeVar("T")
 
 COMPARE_BLOCK = 1 << 20  # bytes compared at a time: one buffer per side
 
 
-def open_to_check(spec, *, revision: str | None = None):
-    """`open_source` for a check. verify writes nothing: a source's error worded for write and merge ("Nothing was
-    written.") says what is true here."""
-    import copy
-
+def reworded(opening: Callable[[], T]) -> T:
+    """`opening()` (a source opened or read for a check), its errors worded for verify: verify writes nothing, so an
+    error worded for write and merge ("Nothing was written.") says what is true here ("Nothing was changed.")."""
     try:
-        return open_source(spec, revision=revision)
+        return opening()
     except ReshardError as e:
         if "Nothing was written." not in str(e):
             raise
-        reworded = copy.copy(e)  # the same class (and exit code), path and fields
-        reworded.args = (str(e).replace("Nothing was written.", "Nothing was changed."),)
-        raise reworded from e
-
+        changed = copy.copy(e)  # the same class (and exit code), path and fields
+        changed.args = (str(e).replace("Nothing was written.", "Nothing was changed."),)
+        raise changed from e

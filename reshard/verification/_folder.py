@@ -9,33 +9,31 @@ from dataclasses import dataclass, replace
 from ..errors import ReshardError, VerifyError
 from ..manifest import copied_problems, coverage_problems, header_problems, read_manifest
 from ..plan import DTYPE_BITS, RankSpans, ranks_text
-from ..read import Folder, INDEX_NAME, Kind, READ_BLOCK, header_of, open_folder
+from ..read import ByteRange, Folder, INDEX_NAME, SourceKind, READ_BLOCK, header_of
 from ..results import VerifyResult
 from ..runs import Run, chunk_runs
 from ..words import plural
-from ._common import open_to_check
 from ._merged import check_merged
 
 
-def check_folder(folder, *, against=None, revision: str | None = None, checksums: bool = True,
-                 progress: bool | None = None, ranks=None) -> VerifyResult:
-    """`reshard verify`: every check, the problems in the result instead of raised (`reshard.api.verify` raises).
+def check_folder(folder: Folder, *, against=None, checksums: bool = True, progress: bool | None = None,
+                 ranks=None) -> VerifyResult:
+    """`reshard verify` of a folder opened once (`reshard.read.open_folder`, by `reshard.api.verify_folder`): every
+    check, the problems in the result instead of raised (`reshard.api.verify` raises). `against` is the source
+    opened once (`reshard.read.open_source`), or None.
 
     A node's copy (its manifest's `holds`) is checked for the ranks it holds; `ranks` (rank spans) checks only the
     files those ranks load, in a copy staged by hand.
 
     Raises:
-        ReshardError: the source given as `against` cannot be read.
+        ReshardError: a source the checked folder names cannot be read (a merge's `--extras-from`).
         UsageError: `ranks` outside the mesh or the copy.
     """
-    spec = folder.location.spec if isinstance(folder, Folder) else str(folder)
-    empty = VerifyResult(False, spec, None if against is None else str(against), 0, 0, 0, 0)
+    location, manifest = folder.location, folder.manifest
+    empty = VerifyResult(False, location.spec, None if against is None else against.spec, 0, 0, 0, 0)
     try:
-        if not isinstance(folder, Folder):  # a path or URL, opened here once (`reshard.api` passes it opened)
-            folder = open_folder(folder, need_manifest=False)
-        location, manifest = folder.location, folder.manifest
-        if manifest is None and location.kind is Kind.CHECKPOINT and _holds_weights(location.store):
-            return check_merged(location, against=against, revision=revision, progress=progress)
+        if manifest is None and location.kind is SourceKind.CHECKPOINT and _holds_weights(location.store):
+            return check_merged(folder, against=against, progress=progress)
         if manifest is None:
             read_manifest(location.store)  # raises the ManifestError that says what is missing
     except VerifyError as e:
@@ -54,7 +52,7 @@ def check_folder(folder, *, against=None, revision: str | None = None, checksums
                disable=None if progress is None else not progress)
     try:
         listed = _Listed(location.store, checksums, bar, problems, corrupt)
-        compared, markers = _check(manifest, listed, against, revision, dequantized)
+        compared, markers = _check(manifest, listed, against, dequantized)
     finally:
         bar.close()
     problems = corrupt + problems
@@ -121,7 +119,7 @@ class _Listed:
             return None
 
 
-def _check(manifest, listed: _Listed, against, revision, dequantized) -> tuple[int, int]:
+def _check(manifest, listed: _Listed, against, dequantized) -> tuple[int, int]:
     """Every check of `verify`, appending to the listed problems; returns (bytes compared, empty markers).
 
     The manifest says which chunks each file holds (a run of `order`, each chunk's box following from the tensor's
@@ -152,8 +150,7 @@ def _check(manifest, listed: _Listed, against, revision, dequantized) -> tuple[i
     _check_extras(listed, manifest, headers, chunks)
     compared = 0
     if against is not None and not problems:
-        compared = _compare_with_source(listed.store, headers, chunks, against, revision, problems, listed.bar,
-                                        dequantized)
+        compared = _compare_with_source(listed.store, headers, chunks, against, problems, listed.bar, dequantized)
     return compared, markers
 
 
@@ -179,11 +176,11 @@ def _check_extras(listed: _Listed, manifest, headers: dict, chunks: dict) -> Non
             chunks[key] = [(-1, tuple((0, n) for n in found[key].shape), entry.name)]
 
 
-def _compare_with_source(out, headers, chunks, against, revision, problems, bar, dequantized) -> int:
+def _compare_with_source(out, headers, chunks, against, problems, bar, dequantized) -> int:
     """Compare each chunk's bytes with the bytes the source pieces give for that region; a dequantized chunk with
     the values `write --dequantize` computes from the source (its names are added to `dequantized`). The copied
     chunks of one written file are compared together, their source bytes fetched in few large requests."""
-    index, layout, dequantizer = _source_to_compare(against, revision)
+    index, layout, dequantizer = _source_to_compare(against)
     compared, copied = 0, {}  # written file -> [(its chunk's name, box, runs placed in the file)]
     try:
         for name, found in chunks.items():
@@ -217,37 +214,26 @@ def _compare_with_source(out, headers, chunks, against, revision, problems, bar,
 
 def _same_copies(source, out, file: str, placed: list, problems: list[str], bar) -> int:
     """Compare the copied chunks of written file `file` (`(name, box, runs)`, each run's `dst` in the file) with the
-    source, fetched in spans (`reshard.runs.spans`); each differing chunk is named once. Bytes compared."""
-    from ..runs import spans
-
-    owner = {(run.file, run.src, run.dst): (name, box) for name, box, runs in placed for run in runs}
+    source, read in few requests (`Store.read_ranges`); each differing chunk is named once. Bytes compared."""
+    runs = [(name, box, run) for name, box, chunk in placed for run in chunk]
     differing, compared = [], 0
-    for span in spans([run for _, _, runs in placed for run in runs]):
-        data = source.read(span.file, span.start, span.length)
-        for run in span.runs:
-            theirs = data[run.src - span.start:run.src - span.start + run.nbytes]
-            if out.read(file, run.dst, run.nbytes) != theirs:
-                name, box = owner.get((run.file, run.src, run.dst)) or _owner_of(placed, run)
-                if name not in differing:
-                    differing.append(name)
-                    problems.append(f"{file}: {name} differs from the source at chunk {box}")
-            compared += run.nbytes
-            bar.update(run.nbytes)
+
+    def compare(piece) -> None:
+        nonlocal compared
+        name, box, run = runs[piece.index]
+        if out.read(file, run.dst + piece.offset, len(piece.data)) != piece.data and name not in differing:
+            differing.append(name)
+            problems.append(f"{file}: {name} differs from the source at chunk {box}")
+        compared += len(piece.data)
+        bar.update(len(piece.data))
+
+    source.read_ranges([ByteRange(run.file, run.src, run.nbytes) for _, _, run in runs], compare)
     return compared
 
 
-def _owner_of(placed: list, piece) -> tuple[str, tuple]:
-    """The chunk a piece of a run (a run longer than one request) belongs to."""
-    for name, box, runs in placed:
-        if any(r.file == piece.file and r.dst <= piece.dst < r.dst + r.nbytes for r in runs):
-            return name, box
-    return "?", ()
-
-
-def _source_to_compare(against, revision):
+def _source_to_compare(source):
     """(the source's index, its tensors by name with the extras under their keys, the `Dequantizer` of a quantized
     source or None), checked decodable before any byte is compared."""
-    source = open_to_check(against, revision=revision)
     source_layout = source.model_layout()
     layout = {**source_layout.by_name(), **{t.name: t for t in source_layout.extras}}
     if source.quantization is None:

@@ -9,23 +9,23 @@ from dataclasses import replace
 from ..errors import ReshardError, UsageError
 from ..manifest import tied_from_record
 from ..plan import DTYPE_BITS, MergeLayout
-from ..read import INDEX_NAME, Kind
+from ..read import INDEX_NAME, SourceKind, open_source
 from ..results import Checked, VerifyResult
 from ..runs import chunk_runs
 from ..write import MergeIndex
-from ._common import COMPARE_BLOCK, open_to_check
+from ._common import COMPARE_BLOCK, reworded
 
 
-def check_merged(location, *, against=None, revision: str | None = None, progress: bool | None = None) -> VerifyResult:
+def check_merged(folder, *, against=None, progress: bool | None = None) -> VerifyResult:
     """`check_folder` for a plain HF checkpoint (what `reshard merge` writes): the index agrees with the headers and
     its `metadata.total_size`; with `against` (the original HF checkpoint, a reshard folder or a saved distributed
     checkpoint), the key set is the source's on-disk one (`--layout original`) or its in-memory names (`fused`): the
     one the index records, when `reshard merge` wrote it (`MergeIndex.layout`), and every in-memory tensor, read
     through each side's own key mapping, equals the source's byte for byte."""
-    result = VerifyResult(False, location.spec, None if against is None else str(against), 0, 0, 0, 0,
+    result = VerifyResult(False, folder.location.spec, None if against is None else against.spec, 0, 0, 0, 0,
                           kind=Checked.MERGED)
     try:
-        dest = open_to_check(location.spec).index
+        dest = reworded(folder.as_source).index  # its headers, through the store it was opened with
     except ReshardError as e:
         return replace(result, problems=(str(e),))
     problems: list[str] = []
@@ -37,7 +37,7 @@ def check_merged(location, *, against=None, revision: str | None = None, progres
                         f"{dest.total_bytes} bytes")
     compared = 0
     if against is not None and not problems:
-        compared = _compare_merged(dest, against, revision, index, progress, problems)
+        compared = _compare_merged(dest, against, index, progress, problems)
     return replace(result, ok=not problems, files=len(dest.files), tensors=len(dest.tensors),
                  bytes_compared=compared, problems=tuple(problems))
 
@@ -54,16 +54,15 @@ def _merge_index(store) -> MergeIndex | str | None:
         return f"{INDEX_NAME}: unreadable ({type(e).__name__}: {e})"
 
 
-def _source_view(against, revision):
+def _source_view(source):
     """(index, layout, the on-disk keys of the source layout, the in-memory names a fused copy holds)."""
-    source = open_to_check(against, revision=revision)
     index, layout = source.index, source.model_layout()
-    if source.kind is not Kind.CHECKPOINT:
+    if source.kind is not SourceKind.CHECKPOINT:
         original = None if index.original is None else {p[0] for pieces in index.original.values() for p in pieces}
         tied = set(index.tied)
     else:
         if source.quantization is not None:
-            raise UsageError(f"{against} is a quantized checkpoint: a merged folder holds the bf16 values computed "
+            raise UsageError(f"{source.spec} is a quantized checkpoint: a merged folder holds the bf16 values computed "
                              "from it, not its bytes. Verify the merged folder against the reshard folder it was "
                              "merged from, and that folder with `reshard verify OUT --against SRC`, which "
                              "recomputes every dequantized chunk.")
@@ -74,16 +73,17 @@ def _source_view(against, revision):
             ({t.name for t in layout.tensors} - tied) | extras)
 
 
-def _compare_merged(dest, against, revision, index: MergeIndex | None, progress, problems) -> int:
+def _compare_merged(dest, against, index: MergeIndex | None, progress, problems) -> int:
     from tqdm.auto import tqdm
 
     from ..read import find_experts
 
     extras_from = None if index is None else index.extras_from
-    src_index, src_layout, original_keys, fused_keys = _source_view(against, revision)
+    src_index, src_layout, original_keys, fused_keys = _source_view(against)
     sources = [(t, src_index) for t in (*src_layout.tensors, *src_layout.extras)]
     if extras_from is not None and not src_layout.extras:  # a trained folder merged with `--extras-from`
-        extras_index, extras_layout, _, _ = _source_view(extras_from, None)
+        # the one source verify opens itself: only the checked folder's index names it
+        extras_index, extras_layout, _, _ = _source_view(reworded(lambda: open_source(extras_from)))
         names = {t.name for t in extras_layout.extras}
         original_keys = None if original_keys is None else original_keys | names
         fused_keys |= names

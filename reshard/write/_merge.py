@@ -25,7 +25,7 @@ from .. import __version__
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME
 from ..plan import Box, ChunkSpec, DTYPE_BITS, MergeLayout, ModelLayout, TargetTensor, split_parts
-from ..read import DcpIndex, INDEX_NAME, Kind
+from ..read import DcpIndex, INDEX_NAME, SourceKind
 from ..runs import Engine, SourceCrcs
 from ..words import plural
 from ._files import copy_source_file, files_at_once, safetensors_header, write_safetensors, write_safetensors_together
@@ -189,7 +189,7 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
     not load, absent from a saved folder and from a reshard folder written with `--drop-unloaded`."""
     if layout.extras:
         return None
-    if index.kind is Kind.RESHARD:
+    if index.kind is SourceKind.RESHARD:
         dropped = index.manifest.dropped_unloaded
         if not dropped:
             return None
@@ -336,7 +336,7 @@ def merge_job(source, *, max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
     Raises:
         CheckpointError: `source` is a checkpoint, not a folder in the distributed-checkpoint layout.
     """
-    if source.kind is Kind.CHECKPOINT:
+    if source.kind is SourceKind.CHECKPOINT:
         raise CheckpointError(f"{source.spec}: neither a reshard folder (`reshard write`) nor a folder saved by "
                               "transformers' save_pretrained(..., distributed_checkpoint=True): no reshard.json and no "
                               "shard-RRRRR-model-PPPPP-of-NNNNN.safetensors; pass one of those. To write a checkpoint "

@@ -27,7 +27,7 @@ from typing import Callable
 
 from ..errors import CheckpointError
 from ..manifest import MANIFEST_NAME, dump_manifest, joined_copies
-from ..read import HEADER_PROBE, LocalStore, READ_BLOCK, Store, json_document, sampled_crc
+from ..read import DEPTH, HEADER_PROBE, LocalStore, READ_BLOCK, Store, json_document, sampled_crc
 from ._ranks import POLL_S, Agreed, Stopped
 
 _WHOLE_LIMIT = 64 << 20  # a metadata file up to this size travels whole with the listing
@@ -249,10 +249,11 @@ class PeerStore(Store):
     DEST and checks the source files' CRC-32s)."""
 
     def __init__(self, files: dict[str, _Holding], local: LocalStore, node: int, nodes, spec: str,
-                 peers: Peers | None = None):
+                 peers: Peers | None = None, *, in_flight: int = DEPTH):
         self.files, self.local, self.node, self.nodes, self.peers = files, local, node, nodes, peers
         self.location = spec
         self.remote = True
+        self.in_flight = in_flight  # a peer's answer is a round trip: the next are asked while one is written
         if peers is not None:
             peers.names = sorted(files)
 

@@ -20,9 +20,10 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..runs import Run, placed_runs, remember, spans
+from ..read import ByteRange
+from ..runs import Run, placed_runs, remember
 from ._bucket import PARTS_IN_FLIGHT, Bucket, part_bytes
 
 _SENDERS_S = 20.0  # rank 0 waits this long at most for the other ranks' parts in flight to end before it aborts
@@ -89,21 +90,27 @@ def _plan_parts(files: list[OutputFile], holders, node_ranks: tuple[tuple[int, .
     return parts
 
 
-def _fill_part(part: _Part, f: OutputFile, read, source_crcs) -> bytearray:
-    """The part's bytes: the header's, then each run's, read with `read(file, start, view)` in few requests
-    (`reshard.runs.spans`); the CRC-32 of each checked source range read is kept in `source_crcs`."""
+def _fill_part(part: _Part, f: OutputFile, store_of, source_crcs, buffers: list[bytearray]) -> bytearray:
+    """The part's bytes: the header's, then each run's, read in few requests from the store `store_of(file)` gives
+    (`Store.read_ranges`, into the caller's `buffers`); the CRC-32 of each checked source range read is kept in
+    `source_crcs`."""
     lo, hi = part.start, part.start + part.size
     data = bytearray(part.size)
     view = memoryview(data)
     if lo < len(f.header):
         view[:min(hi, len(f.header)) - lo] = f.header[lo:hi]
-    for span in spans(f.runs_within(lo, hi)):
-        fetched = memoryview(bytearray(span.length))
-        read(span.file, span.start, fetched)
-        for run in span.runs:
-            piece = fetched[run.src - span.start:run.src - span.start + run.nbytes]
-            view[run.dst - lo:run.dst - lo + run.nbytes] = piece
-            remember(source_crcs.segments(run.file), run, piece, zlib.crc32(piece))
+    by_store: dict[int, tuple[object, list[Run]]] = {}
+    for run in f.runs_within(lo, hi):
+        store = store_of(run.file)
+        by_store.setdefault(id(store), (store, []))[1].append(run)
+    for store, runs in by_store.values():
+        def put(piece, runs=runs) -> None:
+            whole = runs[piece.index]
+            run = replace(whole, src=whole.src + piece.offset, dst=whole.dst + piece.offset, nbytes=len(piece.data))
+            view[run.dst - lo:run.dst - lo + run.nbytes] = piece.data
+            remember(source_crcs.segments(run.file), run, piece.data, piece.digest)
+
+        store.read_ranges([ByteRange(r.file, r.src, r.nbytes) for r in runs], put, buffers=buffers, each=zlib.crc32)
     return data
 
 
@@ -179,12 +186,15 @@ def upload_parts(ranks, nodes, job, store, folder, uploads: dict[str, str], url:
     from ._peers import PeerStore, Peers
 
     peers = Peers(ranks, folder, tuple(range(ranks.world)), nodes)
-    reader = PeerStore(store.files, store.local, nodes.of(ranks.rank), nodes, store.location, peers)
+    # its reads stay on this thread (a part at a time, while PARTS_IN_FLIGHT are sent): an interrupt ends them at once
+    reader = PeerStore(store.files, store.local, nodes.of(ranks.rank), nodes, store.location, peers, in_flight=0)
     serving = _Serving(peers, store.files)
     sender = _PartSender(url, uploads)
 
-    def read(file: str, start: int, view: memoryview) -> None:  # an `--extras-from` file: through the job's store
-        (reader if file in store.files else job.index.store).readinto(file, start, view)
+    def store_of(file: str):  # an `--extras-from` file: through the job's store
+        return reader if file in store.files else job.index.store
+
+    buffers: list[bytearray] = []  # where the source's ranges land, kept from part to part
 
     interrupted = False
     try:
@@ -192,7 +202,7 @@ def upload_parts(ranks, nodes, job, store, folder, uploads: dict[str, str], url:
         holders = (lambda file: store.files[file].nodes if file in store.files else range(len(nodes.ranks)))
         for part in _plan_parts(list(files.values()), holders, nodes.ranks):
             if part.rank == ranks.rank:
-                sender.send(part, _fill_part(part, files[part.name], read, source_crcs))
+                sender.send(part, _fill_part(part, files[part.name], store_of, source_crcs, buffers))
                 progress.update(part.size)
         return sender.records()
     except KeyboardInterrupt:
