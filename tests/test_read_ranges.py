@@ -123,3 +123,22 @@ def test_a_joined_store_reads_each_name_from_its_own_store(folder, tmp_path_fact
     got = _gathered(joined, ranges)
     assert bytes(got[0]) == (bytes(range(256)) * 10)[10:110]
     assert bytes(got[1]) == (folder / "a.bin").read_bytes()[50:70]
+
+
+def test_verify_compares_runs_longer_than_a_request_where_they_are(tiny, tmp_path, monkeypatch):
+    """verify's comparison with the source reads through `read_ranges`: with requests far shorter than the runs,
+    each piece is compared with the written bytes at its own offset, and a byte flipped deep in a run is found."""
+    from reshard.api import verify_folder, write_checkpoint
+    from reshard.plan import MeshSpec
+
+    src = tiny("qwen3_moe", experts=4)
+    out = tmp_path / "out"
+    write_checkpoint(src, out, MeshSpec(fsdp=2), progress=False)
+    monkeypatch.setattr(coalesced, "RANGE", 1000)
+    assert verify_folder(out, against=src, checksums=False).ok
+    shard = sorted(out.glob("shard-*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-1500] ^= 0x01  # inside the file's last run, over a request's length from its start
+    shard.write_bytes(bytes(raw))
+    result = verify_folder(out, against=src, checksums=False)
+    assert not result.ok and any("differs from the source" in p for p in result.problems), result.problems
