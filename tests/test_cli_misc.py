@@ -17,12 +17,11 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from reshard.api import write_checkpoint
+from reshard.api import verify, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import MeshError, VerifyError
 from reshard.manifest import dcp_metadata
 from reshard.plan import MeshSpec
-from reshard.api import verify
 from reshard.read._safetensors_header import read_header
 
 from conftest import file_chunks

@@ -22,12 +22,11 @@ import pytest
 import reshard.runs._direct as direct_io
 import reshard.runs._engine as engine
 import reshard.runs._source_check as source_check
-from reshard.api import merge_checkpoint, write_checkpoint
+from reshard.api import merge_checkpoint, verify_folder, write_checkpoint
 from reshard.errors import CheckpointError, OutputError
 from reshard.plan import MeshSpec
 from reshard.runs._direct import ALIGN, BLOCK_BYTES, DirectOutput
 from reshard.syscalls import dirty_room, page_cache_room
-from reshard.api import verify_folder
 
 from conftest import hang_guard
 

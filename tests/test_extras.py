@@ -19,15 +19,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from reshard.api import plan_checkpoint, write_checkpoint
+from reshard.api import merge_checkpoint, plan_checkpoint, verify_folder, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import ReshardError, UsageError
 from reshard.plan import MeshSpec
 from reshard.plan import plan_to_dict, render_plan
 from reshard.manifest import SHARD_FILE_NAME as SAVED_FILE
 from reshard.tiny import add_tensors, make_tiny_checkpoint, quantize_checkpoint
-from reshard.api import verify_folder
-from reshard.api import merge_checkpoint
 from reshard.words import plural
 
 from conftest import assert_equal_tensors, tensors_of

@@ -24,14 +24,12 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from reshard.api import write_checkpoint
+from reshard.api import merge_checkpoint, verify_folder, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError, UsageError
 from reshard.plan import RankSpans
 from reshard.plan import MeshSpec
 from reshard.read._source import read_checkpoint
-from reshard.api import verify_folder
-from reshard.api import merge_checkpoint
 
 from conftest import hang_guard
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard
-from reshard.api import write_checkpoint
+from reshard.api import verify_folder, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import LoadError, ManifestError, ReshardError, VerifyError
 from reshard.load._loader import assemble_state_dict
@@ -34,7 +34,6 @@ from reshard.manifest import MANIFEST_NAME, Manifest
 from reshard.plan import MeshSpec
 from reshard.read._source import SourceKind
 from reshard.read import open_source
-from reshard.api import verify_folder
 
 from conftest import examples, hang_guard, rank_reports, run_ranks
 

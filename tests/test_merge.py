@@ -19,14 +19,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reshard.api import write_checkpoint
+from reshard.api import merge_checkpoint, verify_folder, write_checkpoint
 from reshard.cli import cli
 from reshard.manifest import coverage_problem
 from reshard.read import open_source
 from reshard.errors import CheckpointError, OutputError
-from reshard.api import merge_checkpoint
 from reshard.plan import MeshSpec
-from reshard.api import verify_folder
 
 from conftest import assert_equal_tensors, tensors_of
 

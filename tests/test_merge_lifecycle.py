@@ -18,10 +18,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from reshard.api import write_checkpoint
+from reshard.api import verify_folder, write_checkpoint
 from reshard.cli import cli
 from reshard.plan import MeshSpec
-from reshard.api import verify_folder
 
 from conftest import rank_reports, run_ranks
 from test_extras import mtp_tensors

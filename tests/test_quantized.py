@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import reshard
-from reshard.api import plan_checkpoint, write_checkpoint
+from reshard.api import plan_checkpoint, verify, write_checkpoint
 from reshard.read import open_source
 from reshard.cli import cli
 from reshard.runs import Dequantizer
@@ -34,7 +34,6 @@ from reshard.errors import QuantizationError, UsageError
 from reshard.plan import MeshSpec
 from reshard.plan import plan_to_dict, render_plan
 from reshard.tiny import make_tiny_checkpoint, quantize_checkpoint
-from reshard.api import verify
 
 from conftest import rank_reports, run_ranks
 

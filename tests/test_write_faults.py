@@ -25,11 +25,10 @@ from click.testing import CliRunner
 
 import reshard.write._files as output_files
 from reshard.runs import Engine
-from reshard.api import write_checkpoint
+from reshard.api import verify, write_checkpoint
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
 from reshard.plan import MeshSpec
-from reshard.api import verify
 
 from conftest import two_file_source
 

@@ -33,13 +33,12 @@ from click.testing import CliRunner
 import reshard.write._durable as durable
 import reshard.write._shards as write_module
 import reshard.write._staged as staged
-from reshard.api import plan_checkpoint, write_checkpoint
+from reshard.api import plan_checkpoint, verify, write_checkpoint
 from reshard.read._checkpoint import METADATA_PATTERNS
 from reshard.read import parse_header
 from reshard.cli import cli
 from reshard.errors import CheckpointError, OutputError
 from reshard.plan import MeshSpec
-from reshard.api import verify
 
 from conftest import two_file_source
 
