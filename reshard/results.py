@@ -77,12 +77,12 @@ class WriteResult:
         manifest: the manifest of OUT.
         out: OUT as given.
         source: SRC as given.
-        source_kind: what SRC is (`reshard.read._source.SourceKind`: a checkpoint, or a reshard or saved folder written
+        source_kind: what SRC is (`reshard.read.SourceKind`: a checkpoint, or a reshard or saved folder written
             from mesh to mesh).
         revision: the Hub revision asked for, or None.
         verify_against: the SRC `verify --against` can compare with (None for a reshard or saved SRC).
         node: after a node-local write, the node whose copy `manifest` is (`node 1 (host, ranks 4-7)`).
-        copies: on node 0 of a node-local write, every node's copy (`reshard.write._distributed.NodeCopy`).
+        copies: on node 0 of a node-local write, every node's copy (`reshard.write._output.NodeCopy`).
         fetched: after a node-local write from a remote SRC, the bytes this node's ranks fetched from it.
     """
 
@@ -262,7 +262,7 @@ class MergeResult:
             `fused`), the extras included.
         model_tensors: the model's in-memory tensors they hold.
         layout: how the tensors are named (`MergeLayout`).
-        source_kind: what SRC is (`reshard.read._source.SourceKind`: a reshard or saved folder).
+        source_kind: what SRC is (`reshard.read.SourceKind`: a reshard or saved folder).
         left_out: what the merge could not write back, or None.
         against: what the next line's `verify --against` compares DEST with (SRC; after `--node-local`, the
             original checkpoint the copies were written from, None when unknown).

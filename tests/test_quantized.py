@@ -146,6 +146,19 @@ def test_plan_reports_the_quantization(models):
         (6, 64, 192)  # [E, in, out], transposed from the blocks' [E, out, in / 32, 16]
 
 
+def test_mapping_a_quantized_index_directly_names_the_call_that_gives_its_bf16_view(models):
+    """`find_experts` on a quantized checkpoint as stored is refused, naming the public call that maps its bf16
+    view; that call works."""
+    from reshard import find_experts, open_source
+    from reshard.errors import ArchitectureError
+    from reshard.read._source import read_checkpoint
+
+    src = models["deepseek_v3-fp8"][0]
+    with pytest.raises(ArchitectureError, match=r"open it with reshard\.open_source\(\.\.\.\), whose model_layout"):
+        find_experts(read_checkpoint(src))
+    assert open_source(src).model_layout().experts
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_written_folders_verify_and_carry_the_bf16_config(models, written, name):
     src, reference, method, block = models[name]

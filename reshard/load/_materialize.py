@@ -109,7 +109,7 @@ def materialize_meta_(
 
     ```python
     >>> import torch
-    >>> from reshard.load._materialize import materialize_meta_
+    >>> from reshard import materialize_meta_
     >>> with torch.device("meta"):
     ...     gate = torch.nn.Linear(8, 4, bias=False)
     ...     gate.register_buffer("expert_bias", torch.zeros(4, device="cpu"))
@@ -230,7 +230,7 @@ def meta_only_to_empty() -> Iterator[None]:
 
     ```python
     >>> import torch
-    >>> from reshard.load._materialize import meta_only_to_empty
+    >>> from reshard import meta_only_to_empty
     >>> with torch.device("meta"):
     ...     gate = torch.nn.Linear(8, 4, bias=False)
     ...     gate.register_buffer("expert_bias", torch.zeros(4, device="cpu"))
@@ -257,7 +257,7 @@ def patch_to_empty() -> None:
     Example:
 
     ```python
-    >>> from reshard.load._materialize import patch_to_empty, unpatch_to_empty
+    >>> from reshard import patch_to_empty, unpatch_to_empty
     >>> patch_to_empty()
     >>> # ... build and shard the model: every to_empty() now keeps real tensors ...
     >>> unpatch_to_empty()
@@ -365,7 +365,7 @@ def check_buffers(module: nn.Module, *, warn: bool = True) -> list[str]:
 
     ```python
     >>> import torch
-    >>> from reshard.load._materialize import check_buffers
+    >>> from reshard import check_buffers
     >>> gate = torch.nn.Linear(8, 4, bias=False)
     >>> gate.register_buffer("expert_bias", torch.full((4,), float("nan")))
     >>> check_buffers(gate, warn=False)

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 def _open(store, name: str):
     """The one place files are opened for reading data (tests wrap it to audit every byte read): a local file only
     if it is a regular file, and the open never blocks on a FIFO; a remote one read in large ranges
-    (`reshard.read._store.RangeFile`)."""
+    (`reshard.read._range_file.RangeFile`)."""
     return store.open(name)
 
 

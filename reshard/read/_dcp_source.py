@@ -43,7 +43,7 @@ class DcpIndex(CheckpointIndex):
         kind: `SourceKind.RESHARD` (a `reshard write` folder) or `SourceKind.SAVED` (`save_pretrained(...,
             distributed_checkpoint=True)`).
         original: per in-memory tensor, the on-disk keys of the source layout that make it
-            (`reshard.manifest.OnDisk` tuples), or None when unknown (`original_error` says why).
+            (`reshard.manifest._source_layout.OnDisk` tuples), or None when unknown (`original_error` says why).
         original_error: why `original` is None.
         tied: in-memory tensors that are tied to another one and are not written into a merged checkpoint.
         crc32: file name -> the CRC-32 its manifest records (a reshard folder); None for a saved folder, which

@@ -97,9 +97,9 @@ def find_experts(index: CheckpointIndex) -> ModelLayout:
     if not index.config.get("model_type"):
         raise ArchitectureError(f"{index.source}: config.json has no model_type (or is missing); reshard needs it to "
                                 "know the architecture.")
-    if index.config.get("quantization_config"):  # callers plan the bf16 view (`reshard.api.read_source`)
-        raise ArchitectureError(f"{index.source}: a quantized checkpoint is mapped through its bf16 view; read it with "
-                                "reshard.api.read_source (or reshard.read._quant.dequantized_view).")
+    if index.config.get("quantization_config"):  # callers plan the bf16 view (`open_source`)
+        raise ArchitectureError(f"{index.source}: a quantized checkpoint is mapped through its bf16 view; open it with "
+                                "reshard.open_source(...), whose model_layout() is the bf16 view's.")
     from ._cache import load_layout, save_layout
 
     cached = load_layout(index)
