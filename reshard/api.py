@@ -10,7 +10,7 @@ import shlex
 
 from .errors import ArchitectureError, UsageError
 from .plan import LayoutMode, MeshSpec, RankSpans, make_plan
-from .read import DISTRIBUTED, SourceKind, OUTPUT_DTYPES, is_url, open_source
+from .read import DISTRIBUTED, SourceKind, OUTPUT_DTYPES, is_url, open_source, refuse_overlap
 from .results import EnvResult, FilesResult, MergeResult, PlanResult, ServedResult, VerifyResult, WriteResult
 
 
@@ -104,6 +104,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
     from .write import Listing, WriteJob, check_url_output, refuse_empty_output, run_job
 
     refuse_empty_output(out, "OUT")
+    refuse_overlap(out, "OUT", [("SRC", source)])  # by spelling now; by the files read, once opened
     check_url_output(out, "OUT", overwrite)
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
@@ -284,6 +285,7 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
                         run_job)
 
     refuse_empty_output(dest, "DEST")
+    refuse_overlap(dest, "DEST", [("SRC", source), ("--extras-from", extras_from)])
     check_url_output(dest, "DEST", overwrite)
     check_max_shard_size(max_shard_size)
 

@@ -136,6 +136,38 @@ def test_a_prefix_holding_other_objects_is_not_replaced(s3, s3_bucket, folder):
     assert objects(s3, s3_bucket, "mine") == {"notes.txt": b"keep me"}
 
 
+def bucket_state(server, bucket: str) -> dict[str, tuple[str, bytes]]:
+    """Every object of `bucket`: key -> (ETag, bytes), read straight from the server."""
+    fs = client(server)
+    listed = fs.call_s3("list_objects_v2", Bucket=bucket).get("Contents", [])
+    return {e["Key"]: (e["ETag"], fs.cat_file(f"{bucket}/{e['Key']}")) for e in listed}
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+@pytest.mark.parametrize("spelling, relation", [
+    ("s3://{b}//rs", "is"), ("s3://{b}/./rs/", "is"), ("s3a://{b}/rs", "is"), ("s3://{b}//rs//sub", "is inside"),
+    ("s3://{b}/top//", "holds")])
+def test_an_output_spelled_as_another_name_for_the_source_is_refused_and_the_source_kept(
+        s3, s3_bucket, folder, command, spelling, relation):
+    """Row 1 of issue 60: OUT and SRC compared as places, not strings; the source and its neighbours keep every
+    byte, and not one request is made."""
+    _, ckpt = folder
+    source = f"s3://{s3_bucket}/top/rs" if relation == "holds" else f"s3://{s3_bucket}/rs"
+    s3.put_folder(ckpt, source)
+    s3.put_bytes(f"s3://{s3_bucket}/rs-notes/NOTES.txt", b"a neighbour")
+    before = bucket_state(s3, s3_bucket)
+    s3.clear_log()
+    out = spelling.format(b=s3_bucket)
+    args = ["--fsdp", "2"] if command == "write" else []
+    run = cli(s3, command, source, out, *args, "--overwrite")
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1, err
+    assert f"{'OUT' if command == 'write' else 'DEST'} {out} {relation} SRC {source}" in err, err
+    assert "Nothing was changed" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert s3.requests() == []  # refused before the bucket was asked anything
+    assert bucket_state(s3, s3_bucket) == before
+
+
 @pytest.mark.parametrize("case", ["no bucket", "no credentials", "read-only", "whole bucket", "other scheme"])
 def test_an_output_that_cannot_be_written_is_refused_before_the_source_is_read(s3, s3_bucket, folder, monkeypatch,
                                                                                 case):

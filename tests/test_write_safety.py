@@ -232,7 +232,8 @@ def test_hub_write_downloads_only_the_indexed_weights_and_metadata(tiny, tmp_pat
 
 # ---- --overwrite never replaces the source or anything not ours --------------------------------------------------
 
-@pytest.mark.parametrize("where", ["out-is-src", "out-holds-src", "out-holds-src-file", "out-is-a-link-to-src"])
+@pytest.mark.parametrize("where", ["out-is-src", "out-holds-src", "out-holds-src-file", "out-is-a-link-to-src",
+                                   "out-is-src-by-dotdot", "out-inside-src-through-a-link", "out-holds-src-by-dotdot"])
 def test_overwrite_refuses_the_source(tiny, tmp_path, where):
     models = tmp_path / "models"
     src = models / "src"
@@ -243,6 +244,9 @@ def test_overwrite_refuses_the_source(tiny, tmp_path, where):
         "out-holds-src": (src, models),
         "out-holds-src-file": (src / "model.safetensors", models),
         "out-is-a-link-to-src": (src, tmp_path / "link"),
+        "out-is-src-by-dotdot": (src, models / "nowhere" / ".." / "src"),
+        "out-inside-src-through-a-link": (src, tmp_path / "link" / "fsdp4"),
+        "out-holds-src-by-dotdot": (src, tmp_path / "link" / ".."),  # the link's target's parent: models
     }[where]
     (tmp_path / "link").symlink_to(src)
     before = tree(tmp_path)

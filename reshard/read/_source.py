@@ -29,12 +29,13 @@ from ..errors import CheckpointError, UsageError
 from ..manifest import MANIFEST_NAME, Manifest, SHARD_FILE_NAME, read_manifest
 from ._checkpoint import CheckpointIndex, SourceKind, checkpoint_index
 from ._hub import cache_repo_of, hub_store
+from ._places import REPO_ID, s3_prefix
 from ._remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, S3Store
 from ._store import LocalStore, Store
 
 S3_SCHEMES = ("s3://", "s3a://")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REPO_ID = REPO_ID  # a Hub repo id, where no such path exists
 
 
 class Where(str, Enum):
@@ -271,9 +272,10 @@ def _s3_store(url: str) -> S3Store:
     except ImportError as e:
         raise UsageError(f"{url}: reading s3:// needs the s3 extra: `pip install -e '.[s3]'` (s3fs). Nothing was "
                          "read.") from e
-    base = url.split("://", 1)[1].strip("/")
-    if not base or "/" not in base and len(base) < 3:
+    bucket, prefix = s3_prefix(url)  # spelled as a bucket output spells it: `s3://b//rs/` is `s3://b/rs`
+    if len(bucket) < 3:
         raise UsageError(f"{url}: not an s3://bucket/prefix URL. Nothing was read.")
+    base = f"{bucket}/{prefix}" if prefix else bucket
     store = S3Store(s3_filesystem(s3fs), base, f"s3://{base}")
     if not store.names():
         raise CheckpointError(f"{url}: no objects under this prefix (or the bucket cannot be listed at "

@@ -70,11 +70,11 @@ class Bucket:
         except ImportError as e:
             raise UsageError(f"{url}: writing to s3:// needs the s3 extra: `pip install 'reshard[s3]'` (s3fs). "
                              "Nothing was read or written.") from e
-        from ..read import s3_filesystem
+        from ..read import s3_filesystem, s3_prefix
 
-        self.url = url.rstrip("/")
-        self.name, _, self.prefix = self.url.split("://", 1)[1].partition("/")
-        self.prefix = self.prefix.strip("/")
+        # spelled as a source is (`reshard.read.s3_prefix`): `s3://b//rs/` is `s3://b/rs`, here and in every message
+        self.name, self.prefix = s3_prefix(url)
+        self.url = f"s3://{self.name}/{self.prefix}"
         if not self.name or not self.prefix:
             raise UsageError(f"{url}: an output in a bucket is a prefix, s3://bucket/prefix, not a whole bucket. "
                              "Nothing was read or written.")
@@ -307,15 +307,17 @@ class BucketOutput:
         out: `s3://bucket/prefix`.
         overwrite: whether a prefix holding a checkpoint may be replaced.
         markers: the commit marker's files, written last in this order.
-        source: the source's location (OUT must not be it, nor inside it).
+        sources: `(name, place)` of each source (OUT must not be one, be inside one, or hold one:
+            `reshard.read.refuse_overlap`).
+        what: OUT's name in messages (`OUT`, `DEST`).
     """
 
-    def __init__(self, out, overwrite: bool, *, markers: tuple[str, ...], source: str | None = None):
+    def __init__(self, out, overwrite: bool, *, markers: tuple[str, ...], sources=(), what: str = "OUT"):
+        from ..read import refuse_overlap
+
         self.bucket = Bucket(str(out))
         self.out, self.overwrite, self.markers = self.bucket.url, overwrite, markers
-        if source is not None and (self.out == source.rstrip("/") or self.out.startswith(source.rstrip("/") + "/")):
-            raise OutputError(f"{self.out} is or is inside the source ({source}); writing there would replace the "
-                              "source. Nothing was changed. Choose another prefix.")
+        refuse_overlap(str(out), what, sources)
         self.bucket.check_writable()
         self.existing = self.bucket.names()
         refuse_occupied(self.bucket, self.existing, overwrite)

@@ -267,7 +267,8 @@ class MergeJob:
         return [name for name in self.index.other_files if name not in self.names and name != INDEX_NAME]
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
-        return staged_output(out, overwrite, self.index, rule=_MERGE_OUTPUT, markers=("config.json", INDEX_NAME))
+        return staged_output(out, overwrite, self.index, rule=_MERGE_OUTPUT, markers=("config.json", INDEX_NAME),
+                             what="DEST")
 
     def needed_bytes(self) -> int:
         return sum(self.unit_sizes) + sum(self.index.store.size(name) for name in self.copied)

@@ -25,7 +25,7 @@ from typing import Callable
 from ..errors import OutputError, ReshardError, UsageError
 from ..manifest import claimed_names
 from ..plan import human_bytes
-from ..read import LocalStore, is_metadata_file
+from ..read import S3_SCHEMES, LocalStore, is_metadata_file, refuse_overlap
 from ..signals import signals_held
 from ._durable import exchange, fsync_files, fsync_path
 from ._lock import write_lock
@@ -106,17 +106,19 @@ class StagedOutput:
     Args:
         out: the output folder.
         overwrite: whether an existing OUT may be replaced (by `rule`).
-        sources: the source folder and files (OUT must be none of them, nor hold one).
+        sources: `(name, place)` of the source folder and files (OUT must be none of them, be inside none, nor hold
+            one: `reshard.read.refuse_overlap`).
         rule: which existing OUT may be replaced.
+        what: OUT's name in messages (`OUT`, `DEST`).
     """
 
     on_file = None  # files stay in `tmp` until `complete()` (a bucket output sends each once whole)
 
-    def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = _RESHARD_OUTPUT):
+    def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = _RESHARD_OUTPUT, what: str = "OUT"):
         self.out, self.overwrite, self.rule = Path(out).resolve(), overwrite, rule
         self.tmp = self.out.parent / f".{self.out.name}{_TMP_MARK}{os.getpid()}"
         self.total = 0
-        _refuse_source_overlap(self.out, sources)
+        refuse_overlap(out, what, sources)
         if os.path.lexists(self.out):
             _check_replaceable(self.out, overwrite, rule)  # refused before anything is touched
         try:
@@ -216,17 +218,18 @@ def _output_error(e: OSError, out: Path, total: int) -> OutputError:
     return OutputError(f"{out}: write failed ({e}); nothing was kept.")
 
 
-def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = _RESHARD_OUTPUT, markers: tuple[str, ...]):
+def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = _RESHARD_OUTPUT, markers: tuple[str, ...],
+                  what: str = "OUT"):
     """OUT claimed for a job reading `index`: a folder (`StagedOutput`), or a bucket prefix
-    (`reshard.write._bucket.BucketOutput`, whose commit marker is the files `markers`, written last)."""
+    (`reshard.write._bucket.BucketOutput`, whose commit marker is the files `markers`, written last); neither may
+    overlap the source (`source_places`)."""
     from ..read import is_url
 
     if is_url(out):
         from ._bucket import BucketOutput
 
-        remote = index.store.location if index.root is None else None  # a source the prefix must not be in
-        return BucketOutput(out, overwrite, markers=markers, source=remote)
-    return StagedOutput(out, overwrite, _local_sources(index), rule=rule)
+        return BucketOutput(out, overwrite, markers=markers, sources=source_places(index), what=what)
+    return StagedOutput(out, overwrite, source_places(index), rule=rule, what=what)
 
 
 def check_url_output(out, what: str, overwrite: bool) -> None:
@@ -262,21 +265,20 @@ def refuse_empty_output(out, what: str) -> None:
                          "current folder. Nothing was read or written.")
 
 
-def _local_sources(index) -> list[Path]:
-    """The local folder and files of a source (`CheckpointIndex`) that an output must not replace: none for a
-    source read in ranges."""
+def source_places(index) -> list:
+    """`(name, place)` of what an output must not replace of a source (`CheckpointIndex`): its folder, each file where
+    its link leads, a cache snapshot's repo folder (its blobs); for a source read in ranges its prefix (a Hub repo
+    read in ranges is no place an output can be)."""
+    from ..read import local_place, place_of
+
     if index.root is None:
-        return [p for p in (index.store.local_path(f.name) for f in index.files) if p is not None]
-    return [index.root, *(index.root / f.name for f in index.files)]
-
-
-def _refuse_source_overlap(out: Path, sources) -> None:
-    """Refuse an OUT that is one of `sources` or holds any: replacing OUT would delete them."""
-    for path in sources:
-        real = Path(path).resolve()
-        if real == out or out in real.parents:
-            raise OutputError(f"{out} is or holds the source checkpoint ({real}); writing there would replace the "
-                              "source. Nothing was changed. Choose another output folder.")
+        paths = [p for p in (index.store.local_path(f.name) for f in index.files) if p is not None]
+        remote = [place_of(index.store.location)] if index.store.location.startswith(S3_SCHEMES) else []
+    else:
+        cache_repo = getattr(index.store, "cache_repo", None)
+        paths = [index.root, *(index.root / f.name for f in index.files), *([cache_repo] if cache_repo else [])]
+        remote = []
+    return [("SRC", place) for place in (*remote, *(local_place(p) for p in paths))]
 
 
 def remove_temporary(folder: Path, out: Path, *, interrupted: BaseException | None = None) -> None:
