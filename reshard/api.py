@@ -105,7 +105,7 @@ def write_checkpoint(source, out, mesh: MeshSpec, *, mode: LayoutMode | str = La
 
     refuse_empty_output(out, "OUT")
     refuse_overlap(out, "OUT", [("SRC", source)])  # by spelling now; by the files read, once opened
-    check_url_output(out, "OUT", overwrite)
+    check_url_output(out, "OUT", overwrite, "write")
     if dequantize is not None and dequantize not in OUTPUT_DTYPES:
         raise UsageError(f"--dequantize {dequantize}: reshard dequantizes to {', '.join(OUTPUT_DTYPES)} only.")
     check_max_shard_size(max_shard_size)
@@ -286,7 +286,7 @@ def merge_checkpoint(source, dest, *, max_shard_size: int | None = None, layout:
 
     refuse_empty_output(dest, "DEST")
     refuse_overlap(dest, "DEST", [("SRC", source), ("--extras-from", extras_from)])
-    check_url_output(dest, "DEST", overwrite)
+    check_url_output(dest, "DEST", overwrite, "merge")
     check_max_shard_size(max_shard_size)
 
     def read_job(store=None):

@@ -131,9 +131,66 @@ def test_a_prefix_holding_a_checkpoint_needs_overwrite_and_then_loses_its_marker
 
 def test_a_prefix_holding_other_objects_is_not_replaced(s3, s3_bucket, folder):
     s3.put_bytes(f"s3://{s3_bucket}/mine/notes.txt", b"keep me")
-    with pytest.raises(OutputError, match=r"--overwrite replaces only a prefix holding a checkpoint .* notes\.txt"):
+    with pytest.raises(OutputError, match=r"--overwrite replaces only a complete merge or reshard output, and it "
+                                          r"holds notes\.txt and neither"):
         merge_checkpoint(folder[1], f"s3://{s3_bucket}/mine", overwrite=True, progress=False)
     assert objects(s3, s3_bucket, "mine") == {"notes.txt": b"keep me"}
+
+
+FOREIGN = {"optimizer-state.pt": b"the optimizer", "NOTES.txt": b"my notes", "trainer_state.json": b"{}",
+           "checkpoint-100/model.safetensors": b"a sub-prefix"}
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+@pytest.mark.parametrize("held", ["reshard output", "merge output", "transformers checkpoint"])
+def test_overwrite_replaces_only_what_reshard_wrote_and_names_the_rest(s3, s3_bucket, folder, tmp_path, command,
+                                                                       held):
+    """Row 2 of issue 60: a prefix holding a reshard write (or a merge) plus objects reshard did not write, or a
+    checkpoint another tool wrote, is refused by name, as a local folder is; every object keeps its bytes."""
+    src, ckpt = folder
+    url = f"s3://{s3_bucket}/out"
+    if held == "reshard output":
+        s3.put_folder(ckpt, url)
+    elif held == "merge output":
+        merge_checkpoint(ckpt, tmp_path / "merged", progress=False)
+        s3.put_folder(tmp_path / "merged", url)
+    else:
+        s3.put_folder(src, url)  # a model.safetensors.index.json, but not a merge's
+    extra = {} if held == "transformers checkpoint" else FOREIGN
+    for name, data in extra.items():
+        s3.put_bytes(f"{url}/{name}", data)
+    before = bucket_state(s3, s3_bucket)
+    source = src if command == "write" else ckpt
+    args = ["--fsdp", "2"] if command == "write" else []
+    run = cli(s3, command, source, url, *args, "--overwrite")
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    if held == "transformers checkpoint" or (command == "write" and held == "merge output"):
+        assert "--overwrite replaces only a complete" in last and "Nothing was changed" in last, last
+    else:
+        assert f"{held} but also holds NOTES.txt, checkpoint-100/, optimizer-state.pt, trainer_state.json" in last
+    assert bucket_state(s3, s3_bucket) == before
+    changes = [r for r in s3.requests() if r.method in ("PUT", "DELETE") or "uploadId" in r.query]
+    assert {r.key for r in changes} <= {f"out/{bucket_output.PROBE}"}  # only the write check's upload, aborted
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+def test_overwrite_replaces_a_complete_output_with_its_copied_files(s3, s3_bucket, folder, tmp_path, command):
+    """What reshard wrote, the copied config and tokenizer files included, is replaced whole: no object is left of
+    the old output that the new one does not have."""
+    src, ckpt = folder
+    url = f"s3://{s3_bucket}/out"
+    if command == "write":
+        write_checkpoint(src, url, MeshSpec(fsdp=4), progress=False)
+        write_checkpoint(src, url, MeshSpec(fsdp=2), overwrite=True, progress=False)
+        write_checkpoint(src, tmp_path / "local", MeshSpec(fsdp=2), progress=False)
+    else:
+        merge_checkpoint(ckpt, url, max_shard_size=8_000_000, progress=False)
+        write_checkpoint(src, tmp_path / "fsdp2", MeshSpec(fsdp=2), progress=False)
+        merge_checkpoint(tmp_path / "fsdp2", url, overwrite=True, progress=False)
+        merge_checkpoint(tmp_path / "fsdp2", tmp_path / "local", progress=False)
+    assert objects(s3, s3_bucket, "out") == files_of(tmp_path / "local")
 
 
 def bucket_state(server, bucket: str) -> dict[str, tuple[str, bytes]]:

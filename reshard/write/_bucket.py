@@ -33,6 +33,7 @@ from ..errors import OutputError, ReshardError, UsageError
 from ..manifest import MANIFEST_NAME
 from ..read import ATTEMPTS, BACKOFF_S, INDEX_NAME, READ_TIMEOUT_S, transient
 from ..words import plural
+from ._replaceable import ReplaceRule
 
 # S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold. RESHARD_S3_PART_MIB sets
 # another (5 at least): smaller parts spread a merge across nodes more evenly (`reshard.write._spread`)
@@ -149,16 +150,27 @@ class Bucket:
 
     def names(self) -> dict[str, int]:
         """The objects directly under the prefix: name -> size."""
-        found, token = {}, None
+        return self.listing()[0]
+
+    def listing(self) -> tuple[dict[str, int], list[str]]:
+        """The objects directly under the prefix (name -> size), and its sub-prefixes (`name/`)."""
+        found, below, token = {}, [], None
         while True:
             more = {"ContinuationToken": token} if token else {}
             page = self.call("listing the prefix", None, "list_objects_v2", Prefix=self.prefix + "/", Delimiter="/",
                              **more)
             for entry in page.get("Contents", []):
                 found[entry["Key"][len(self.prefix) + 1:]] = int(entry["Size"])
+            below += [p["Prefix"][len(self.prefix) + 1:] for p in page.get("CommonPrefixes", [])]
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
-                return found
+                return found, below
+
+    def store(self):
+        """The prefix as a source store (`reshard.read.S3Store`): what a rule reads of the output there."""
+        from ..read import S3Store
+
+        return S3Store(self.fs, f"{self.name}/{self.prefix}", self.url)
 
     def check_writable(self) -> None:
         """Refuse missing credentials, a missing bucket and a prefix this client may not write, before anything is
@@ -187,18 +199,21 @@ class Bucket:
             raise OutputError(f"{e} {nothing}") from cause
 
 
-def refuse_occupied(bucket: Bucket, existing: dict[str, int], overwrite: bool) -> None:
-    """Refuse a prefix that holds objects, unless `overwrite` and it holds a checkpoint (a marker)."""
-    if not existing:
+def refuse_occupied(bucket: Bucket, existing: dict[str, int], overwrite: bool, rule: ReplaceRule,
+                    below: list[str] = ()) -> None:
+    """Refuse a prefix that holds objects, unless `overwrite` and it holds exactly an output `rule` allows: the
+    objects its manifest or merge index claims, and no other object and no sub-prefix (named in the message)."""
+    if not existing and not below:
         return
     if not overwrite:
-        raise OutputError(f"{bucket.url} already holds {plural(len(existing), 'object')}. Pass --overwrite to replace "
-                          "it (only a prefix holding a checkpoint is replaced), or choose another prefix. Nothing "
-                          "was read or written.")
-    if not any(name in existing for name in _MARKERS[:2]):
-        shown = ", ".join(sorted(existing)[:5])
-        raise OutputError(f"{bucket.url}: --overwrite replaces only a prefix holding a checkpoint ({MANIFEST_NAME} or "
-                          f"{INDEX_NAME}), and it holds {shown}. Nothing was changed. Choose another prefix.")
+        raise OutputError(f"{bucket.url} already holds {plural(len(existing) + len(below), 'object')}. Pass "
+                          f"--overwrite to replace it (only {rule.replaceable} is replaced), or choose another "
+                          "prefix. Nothing was read or written.")
+    entries = {**{name: True for name in existing}, **{name: False for name in below}}
+    why = rule.problem(bucket.store(), entries)
+    if why is not None:
+        raise OutputError(f"{bucket.url}: --overwrite replaces only {rule.replaceable}, and {why}. Nothing was "
+                          "changed. Move or remove those objects yourself, or choose another prefix.")
 
 
 class Uploads:
@@ -305,22 +320,23 @@ class BucketOutput:
 
     Args:
         out: `s3://bucket/prefix`.
-        overwrite: whether a prefix holding a checkpoint may be replaced.
+        overwrite: whether a prefix holding an output `rule` allows may be replaced.
         markers: the commit marker's files, written last in this order.
         sources: `(name, place)` of each source (OUT must not be one, be inside one, or hold one:
             `reshard.read.refuse_overlap`).
         what: OUT's name in messages (`OUT`, `DEST`).
     """
 
-    def __init__(self, out, overwrite: bool, *, markers: tuple[str, ...], sources=(), what: str = "OUT"):
+    def __init__(self, out, overwrite: bool, *, markers: tuple[str, ...], rule: ReplaceRule, sources=(),
+                 what: str = "OUT"):
         from ..read import refuse_overlap
 
         self.bucket = Bucket(str(out))
         self.out, self.overwrite, self.markers = self.bucket.url, overwrite, markers
         refuse_overlap(str(out), what, sources)
         self.bucket.check_writable()
-        self.existing = self.bucket.names()
-        refuse_occupied(self.bucket, self.existing, overwrite)
+        self.existing, below = self.bucket.listing()
+        refuse_occupied(self.bucket, self.existing, overwrite, rule, below)
         self.total = 0
         self.uploads = Uploads(self.bucket)
         self.on_file = self.uploads.send_later  # each file of the writer's spool is sent once whole

@@ -13,9 +13,7 @@ it is empty, a complete merge output or a reshard output), nothing partial on an
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,7 +29,8 @@ from ..words import plural
 from ._files import copy_source_file, files_at_once, safetensors_header, write_safetensors, write_safetensors_together
 from ._merge_index import MergedFile, MergeIndex
 from ._output import headers_digest
-from ._staged import ReplaceRule, StagedOutput, fsync_path, not_a_reshard_output, not_ours, staged_output
+from ._replaceable import MERGE_OUTPUT
+from ._staged import StagedOutput, fsync_path, staged_output
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # 5GB, transformers' and the Hub's default
 _MERGE_FILE = "model-{part:05d}-of-{parts:05d}.safetensors"
@@ -203,31 +202,6 @@ def left_out(index: DcpIndex, layout: ModelLayout) -> str | None:
             "back")
 
 
-def _not_a_merge_output(out: Path) -> str | None:
-    """Why `out` may not be replaced by a merge, or None: empty, a complete merge output, or a reshard output."""
-    if not out.is_dir():
-        return "it is not a folder"
-    entries = sorted(os.listdir(out))
-    if not entries or MANIFEST_NAME in entries:
-        return not_a_reshard_output(out)
-    try:
-        index = MergeIndex.from_document(json.loads((out / INDEX_NAME).read_text()))
-    except FileNotFoundError:
-        return f"it holds {', '.join(entries[:5])} and neither {INDEX_NAME} nor {MANIFEST_NAME}"
-    except (OSError, ValueError, RecursionError) as e:  # CheckpointError is a ValueError
-        return f"its {INDEX_NAME} cannot be read as a merge output's ({type(e).__name__}: {e})"
-    if not index.merged:
-        return f"its {INDEX_NAME} was not written by reshard merge"
-    ours = {INDEX_NAME, *index.weight_map.values(), *index.copied}
-    foreign = not_ours(out, entries, ours)
-    if foreign:
-        return f"it is a merge output but also holds {', '.join(foreign[:5])}, which reshard did not write"
-    return None
-
-
-_MERGE_OUTPUT = ReplaceRule(_not_a_merge_output, "a complete merge or reshard output")
-
-
 @dataclass(frozen=True)
 class MergeJob:
     """A `merge` as an output job (`reshard.write._output._OutputJob`): its units are the output files.
@@ -267,7 +241,7 @@ class MergeJob:
         return [name for name in self.index.other_files if name not in self.names and name != INDEX_NAME]
 
     def staged(self, out, overwrite: bool) -> StagedOutput:
-        return staged_output(out, overwrite, self.index, rule=_MERGE_OUTPUT, markers=("config.json", INDEX_NAME),
+        return staged_output(out, overwrite, self.index, rule=MERGE_OUTPUT, markers=("config.json", INDEX_NAME),
                              what="DEST")
 
     def needed_bytes(self) -> int:

@@ -18,71 +18,24 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..errors import OutputError, ReshardError, UsageError
-from ..manifest import claimed_names
 from ..plan import human_bytes
-from ..read import S3_SCHEMES, LocalStore, is_metadata_file, refuse_overlap
+from ..read import S3_SCHEMES, refuse_overlap
 from ..signals import signals_held
 from ._durable import exchange, fsync_files, fsync_path
 from ._lock import write_lock
+from ._replaceable import RESHARD_OUTPUT, RULES, ReplaceRule
 
 INTERRUPT_CLEANUP_S = 1.0  # an interrupted write removes its temporary folder this long at most, then exits
 _TMP_MARK = ".reshard-tmp-"  # `.OUT.reshard-tmp-PID`: a write in progress; `...-old-PID`: an OUT being swapped out
 
 
 
-# ---- what may be replaced ----------------------------------------------------------------------------------------
+# ---- what may be replaced (`reshard.write._replaceable`) -----------------------------------------------------
 
-@dataclass(frozen=True)
-class ReplaceRule:
-    """Which existing OUT `--overwrite` may replace: `why_not(out)` says why it may not, or None; `replaceable` names
-    what may be, for messages."""
-
-    why_not: Callable[[Path], "str | None"]
-    replaceable: str
-
-
-def _some(names: list[str]) -> str:
-    """At most five names for a message, and how many more."""
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def not_a_reshard_output(out: Path) -> str | None:
-    """Why `out` may not be replaced by a write, or None: it is empty, or holds only what one reshard write put
-    there."""
-    if not out.is_dir():
-        return "it is not a folder"
-    entries = sorted(os.listdir(out))
-    if not entries:
-        return None
-    store = LocalStore(out, links_anywhere=True)
-    try:
-        ours, why = claimed_names(store, entries)
-        if why is not None:
-            return why
-        if ours is None:  # a manifest from before `copied` was recorded: top-level files reshard copies today count
-            ours = {e for e in entries if is_metadata_file(e)} | claimed_names(store, entries, with_copied=False)[0]
-    finally:
-        store.close()
-    foreign = not_ours(out, entries, ours)
-    if foreign:
-        return f"it is a reshard output but also holds {_some(foreign)}, which reshard did not write"
-    return None
-
-
-def not_ours(out: Path, entries: list[str], ours: set[str]) -> list[str]:
-    """The entries of `out` its writer did not put there: a name it does not list, or not a regular file."""
-    return [e for e in entries if e not in ours or not (out / e).is_file()]
-
-
-_RESHARD_OUTPUT = ReplaceRule(not_a_reshard_output, "a complete reshard output")
-
-
-def _check_replaceable(out: Path, overwrite: bool, rule: ReplaceRule = _RESHARD_OUTPUT) -> None:
+def _check_replaceable(out: Path, overwrite: bool, rule: ReplaceRule = RESHARD_OUTPUT) -> None:
     """Refuse an existing `out` unless `overwrite` and it is an empty folder or what `rule` allows."""
     if not overwrite:
         raise OutputError(f"{out} already exists. Pass --overwrite to replace it (only an empty folder or "
@@ -114,7 +67,7 @@ class StagedOutput:
 
     on_file = None  # files stay in `tmp` until `complete()` (a bucket output sends each once whole)
 
-    def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = _RESHARD_OUTPUT, what: str = "OUT"):
+    def __init__(self, out, overwrite: bool, sources, *, rule: ReplaceRule = RESHARD_OUTPUT, what: str = "OUT"):
         self.out, self.overwrite, self.rule = Path(out).resolve(), overwrite, rule
         self.tmp = self.out.parent / f".{self.out.name}{_TMP_MARK}{os.getpid()}"
         self.total = 0
@@ -218,7 +171,7 @@ def _output_error(e: OSError, out: Path, total: int) -> OutputError:
     return OutputError(f"{out}: write failed ({e}); nothing was kept.")
 
 
-def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = _RESHARD_OUTPUT, markers: tuple[str, ...],
+def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = RESHARD_OUTPUT, markers: tuple[str, ...],
                   what: str = "OUT"):
     """OUT claimed for a job reading `index`: a folder (`StagedOutput`), or a bucket prefix
     (`reshard.write._bucket.BucketOutput`, whose commit marker is the files `markers`, written last); neither may
@@ -228,13 +181,14 @@ def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = _RESHARD_O
     if is_url(out):
         from ._bucket import BucketOutput
 
-        return BucketOutput(out, overwrite, markers=markers, sources=source_places(index), what=what)
+        return BucketOutput(out, overwrite, markers=markers, rule=rule, sources=source_places(index), what=what)
     return StagedOutput(out, overwrite, source_places(index), rule=rule, what=what)
 
 
-def check_url_output(out, what: str, overwrite: bool) -> None:
+def check_url_output(out, what: str, overwrite: bool, command: str) -> None:
     """Check an output given as a URL before anything is read: an `s3://bucket/prefix` must be writable with these
-    credentials and hold no checkpoint (unless `overwrite`); another scheme is refused.
+    credentials and hold nothing, or (`overwrite`) exactly an output `command` (`write`, `merge`) may replace
+    (`reshard.write._replaceable.RULES`); another scheme is refused.
 
     Raises:
         UsageError: a URL of another scheme.
@@ -251,7 +205,8 @@ def check_url_output(out, what: str, overwrite: bool) -> None:
 
     bucket = Bucket(out)
     bucket.check_writable()
-    refuse_occupied(bucket, bucket.names(), overwrite)
+    existing, below = bucket.listing()
+    refuse_occupied(bucket, existing, overwrite, RULES[command], below)
 
 
 def refuse_empty_output(out, what: str) -> None:
@@ -381,7 +336,7 @@ def swap_hook(step: str) -> None:
     """
 
 
-def replace(tmp: Path, out: Path, overwrite: bool, rule: ReplaceRule = _RESHARD_OUTPUT) -> None:
+def replace(tmp: Path, out: Path, overwrite: bool, rule: ReplaceRule = RESHARD_OUTPUT) -> None:
     """Put the finished folder in place so that OUT is, at every instant, the whole old or the whole new folder.
 
     An existing OUT (checked again by `rule`: nothing foreign may appear during the write) is exchanged with the new
