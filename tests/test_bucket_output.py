@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from reshard.api import merge_checkpoint, write_checkpoint
+from reshard.api import merge_checkpoint, verify, write_checkpoint
 from reshard.errors import OutputError, UsageError
 from reshard.manifest import shard_file_name
 from reshard.plan import MeshSpec
 from reshard.write import _bucket as bucket_output
+from reshard.write import _bucket_output as bucket_steps
+from reshard.write._claim import CLAIM_NAME, Claim
 
 from conftest import rank_reports, run_ranks
 
@@ -108,8 +110,8 @@ def test_a_merge_into_a_bucket_is_the_local_merge_in_multipart_uploads_marker_la
     assert open_uploads(s3, s3_bucket) == []
 
 
-def test_a_prefix_holding_a_checkpoint_needs_overwrite_and_then_loses_its_marker_first(s3, s3_bucket, folder,
-                                                                                        tmp_path):
+def test_a_prefix_holding_a_checkpoint_needs_overwrite_and_stays_whole_until_every_part_is_sent(s3, s3_bucket, folder,
+                                                                                                tmp_path):
     _, ckpt = folder
     url = f"s3://{s3_bucket}/merged"
     merge_checkpoint(ckpt, url, max_shard_size=8_000_000, progress=False)
@@ -125,8 +127,15 @@ def test_a_prefix_holding_a_checkpoint_needs_overwrite_and_then_loses_its_marker
     assert objects(s3, s3_bucket, "merged") == files_of(tmp_path / "one") != before  # the old parts removed
     log = s3.requests(bucket=s3_bucket, prefix="merged/")
     deletes = [r for r in log if r.method == "DELETE" and r.key == "merged/model.safetensors.index.json"]
-    data = [r for r in log if r.method in ("PUT", "POST") and "safetensors" in r.key and r.key.endswith("safetensors")]
-    assert deletes and deletes[0].started < min(r.started for r in data)
+    parts = [r for r in log if r.method == "PUT" and "partNumber=" in r.query]
+    completes = [r for r in log if r.method == "POST" and "uploadId=" in r.query]
+    claims = [r for r in log if r.method == "PUT" and r.key == f"merged/{CLAIM_NAME}"]
+    # the claim record first, every part while the old checkpoint is whole, then its marker goes before any new
+    # object appears; the record is removed last
+    assert len(claims) == 2 and claims[0].started < min(r.started for r in parts)
+    assert deletes and max(r.started for r in parts) < deletes[0].started < min(r.started for r in completes)
+    changes = [r for r in log if r.method not in ("GET", "HEAD")]
+    assert changes[-1].method == "DELETE" and changes[-1].key == f"merged/{CLAIM_NAME}"
 
 
 def test_a_prefix_holding_other_objects_is_not_replaced(s3, s3_bucket, folder):
@@ -251,6 +260,114 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_source_is_read(s
     assert open_uploads(s3, s3_bucket) == []
 
 
+# ---- an --overwrite that ends early: the old checkpoint stays whole, or the rerun completes it (issue 60, row 3) ---
+
+def old_and_new(s3, bucket: str, folder, tmp_path, command: str):
+    """An old checkpoint at s3://bucket/out (fsdp 4, or a merge in 8 MB files) and the command that replaces it
+    (fsdp 2, or a merge in one file), with the local output that command makes: (url, args, local)."""
+    src, ckpt = folder
+    url = f"s3://{bucket}/out"
+    if command == "write":
+        write_checkpoint(src, url, MeshSpec(fsdp=4), progress=False)
+        write_checkpoint(src, tmp_path / "local", MeshSpec(fsdp=2), progress=False)
+        return url, ["write", src, url, "--fsdp", "2", "--overwrite"], tmp_path / "local"
+    merge_checkpoint(ckpt, url, max_shard_size=8_000_000, progress=False)
+    merge_checkpoint(ckpt, tmp_path / "local", progress=False)
+    return url, ["merge", ckpt, url, "--overwrite"], tmp_path / "local"
+
+
+def without_claim(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not k.endswith(CLAIM_NAME)}
+
+
+def rerun_completes(s3, bucket: str, args, local: Path) -> None:
+    """The same command again: it succeeds, the prefix holds exactly the new output, and it verifies."""
+    run = cli(s3, *args)
+    _, err = run.communicate(timeout=180)
+    assert run.returncode == 0, err
+    assert objects(s3, bucket, "out") == files_of(local)
+    assert open_uploads(s3, bucket) == []
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+@pytest.mark.parametrize("fault", ["500 on every PUT", "500 on every part", "SIGTERM mid-part", "SIGKILL mid-part"])
+def test_an_overwrite_ending_before_the_swap_leaves_the_old_checkpoint_whole(s3, s3_bucket, folder, tmp_path,
+                                                                           small_parts, command, fault):
+    url, args, local = old_and_new(s3, s3_bucket, folder, tmp_path, command)
+    before = bucket_state(s3, s3_bucket)
+    data = f"out/{min(n for n in files_of(local) if n.endswith('.safetensors'))}"
+    if fault.startswith("500"):
+        s3.fail_next(10_000, 500, methods=("PUT",), key=None if fault == "500 on every PUT" else data)
+        run = cli(s3, *args)
+        _, err = run.communicate(timeout=180)
+        s3.clear_faults()
+        assert run.returncode == 1, err
+    else:
+        s3.stall_next(1, 60, methods=("PUT",), key=data)
+        run = cli(s3, *args)
+        until_held(s3, lambda: run.poll() is None, lambda: run.communicate())
+        run.send_signal(signal.SIGTERM if fault.startswith("SIGTERM") else signal.SIGKILL)
+        _, err = run.communicate(timeout=60)
+        s3.release_stalls()
+        assert run.returncode == (128 + signal.SIGTERM if fault.startswith("SIGTERM") else -signal.SIGKILL), err
+    s3.wait_idle(30)
+    after = bucket_state(s3, s3_bucket)
+    assert without_claim(after) == before  # every object of the old checkpoint, byte for byte, with its ETag
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    if fault != "SIGKILL mid-part":
+        assert f"The checkpoint that was at {url} is unchanged and loads." in last, err
+        assert "Traceback" not in err and "nothing partial" not in last
+        assert after == before and open_uploads(s3, s3_bucket) == []  # the claim and every upload gone
+    else:  # killed: the record and the open uploads stay; the old checkpoint still verifies
+        assert set(after) - set(before) == {f"out/{CLAIM_NAME}"}
+        assert Claim.parse(after[f"out/{CLAIM_NAME}"][1]).state == "sending"
+    assert verify(url).ok
+    refused = cli(s3, *args[:-1])  # without --overwrite: refused, and the record is named
+    _, err = refused.communicate(timeout=120)
+    assert refused.returncode == 1 and "Pass --overwrite" in err, err
+    rerun_completes(s3, s3_bucket, args, local)
+    print(f"{fault}, {command}: {last}")
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+@pytest.mark.parametrize("fault", ["500 on the marker", "SIGKILL mid-swap"])
+def test_an_overwrite_ending_in_the_swap_says_so_and_the_rerun_completes_it(s3, s3_bucket, folder, tmp_path,
+                                                                          command, fault):
+    """Past the last part, S3 cannot keep the old checkpoint: the last line says it no longer loads, the record
+    names every object there, and the rerun with --overwrite completes the replacement."""
+    url, args, local = old_and_new(s3, s3_bucket, folder, tmp_path, command)
+    marker = f"out/{'reshard.json' if command == 'write' else 'model.safetensors.index.json'}"
+    if fault.startswith("500"):
+        s3.fail_next(10_000, 500, methods=("PUT",), key=marker)
+        run = cli(s3, *args)
+        _, err = run.communicate(timeout=180)
+        assert run.returncode == 1, err
+        last = err.strip().splitlines()[-1]
+        assert f"The checkpoint that was at {url} no longer loads" in last and "--overwrite to complete" in last
+    else:
+        s3.stall_next(1, 60, methods=("PUT",), key=marker)
+        run = cli(s3, *args)
+        until_held(s3, lambda: run.poll() is None, lambda: run.communicate())
+        run.kill()
+        _, err = run.communicate(timeout=60)
+        s3.release_stalls()
+        last = "(killed)"
+    s3.clear_faults()
+    s3.wait_idle(30)
+    after = bucket_state(s3, s3_bucket)
+    claim = Claim.parse(after[f"out/{CLAIM_NAME}"][1])
+    assert claim.state == "swapping" and {k[len("out/"):] for k in after} <= {CLAIM_NAME, *claim.replacing,
+                                                                              *claim.new}
+    if fault.startswith("500"):
+        assert marker not in after
+    refused = cli(s3, *args[:-1])  # without --overwrite: refused, and the record is named
+    _, refusal = refused.communicate(timeout=120)
+    assert refused.returncode == 1 and CLAIM_NAME in refusal and "which --overwrite completes" in refusal, refusal
+    rerun_completes(s3, s3_bucket, args, local)
+    assert verify(url).ok
+    print(f"{fault}, {command}: {last}")
+
+
 def test_a_failing_part_is_retried_then_named_and_every_upload_aborted(s3, s3_bucket, folder, tmp_path,
                                                                        small_parts):
     _, ckpt = folder
@@ -290,7 +407,7 @@ def test_a_failure_after_the_uploads_completed_removes_them(s3, s3_bucket, folde
     def fail(step):
         raise OSError(5, "injected")
 
-    monkeypatch.setattr(bucket_output, "complete_hook", fail)
+    monkeypatch.setattr(bucket_steps, "complete_hook", fail)
     with pytest.raises(OutputError, match=r"aborted 0 multipart uploads and removed [2-9] objects it had completed; "
                                           r"no commit marker was written"):
         merge_checkpoint(folder[1], f"s3://{s3_bucket}/late", progress=False)

@@ -1,4 +1,5 @@
-"""A bucket prefix (`s3://bucket/prefix`) as the output of `write` and `merge`: the staged output's twin.
+"""A bucket prefix (`s3://bucket/prefix`) as the output of `write` and `merge`: its requests and uploads (the steps
+of an output are `reshard.write._bucket_output.BucketOutput`).
 
 A folder is filled out of sight in a temporary folder and swapped in at once (`reshard.write._staged`). A bucket has
 no rename, so here the temporary is the set of open multipart uploads, and the swap is completing them, then writing
@@ -10,8 +11,9 @@ disk holds at most the file being filled and `_FILES_QUEUED` + 1 being sent, and
 
 Every request is retried `ATTEMPTS` times on a transient error (a 5xx, a reset, a timeout), then its error names the
 URL, the part and the attempts. A failure or an interruption aborts every upload started and removes every object
-this write completed; an `--overwrite` removes the old marker before anything else, so a reader never sees old
-metadata over new files. Requests go through s3fs (botocore), with the AWS environment's endpoint and credentials.
+this write completed; an `--overwrite` keeps the old checkpoint whole until every part is sent, then removes its
+markers before any new object appears, so a reader never sees old metadata over new files (`reshard.write._claim`).
+Requests go through s3fs (botocore), with the AWS environment's endpoint and credentials.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import OutputError, ReshardError, UsageError
+from ..errors import OutputError, UsageError
 from ..manifest import MANIFEST_NAME
 from ..read import ATTEMPTS, BACKOFF_S, INDEX_NAME, READ_TIMEOUT_S, transient
 from ..words import plural
+from ._claim import CLAIM_NAME, claim_problem
 from ._replaceable import ReplaceRule
 
 # S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold. RESHARD_S3_PART_MIB sets
@@ -41,7 +44,7 @@ PART_BYTES = max(5, int(os.environ.get("RESHARD_S3_PART_MIB") or 16)) << 20
 _MAX_PARTS = 10_000  # S3's limit per upload: a larger file gets larger parts
 PARTS_IN_FLIGHT = 4
 _FILES_QUEUED = 1  # whole files waiting in the spool while the next is filled
-_MARKERS = (MANIFEST_NAME, INDEX_NAME, "config.json")  # what tells a reader a prefix holds a checkpoint
+MARKERS = (MANIFEST_NAME, INDEX_NAME, "config.json")  # what tells a reader a prefix holds a checkpoint
 PROBE = ".reshard-write-check"  # the key a write-permission check opens (and aborts) an upload for
 # A request gets READ_TIMEOUT_S plus its body at this rate, then it is given up and tried again: botocore's timeouts
 # cover connecting and reading the answer, not a server that stops reading a body it was sent
@@ -166,6 +169,18 @@ class Bucket:
             if not page.get("IsTruncated") or not token:
                 return found, below
 
+    def left_uploads(self) -> list[tuple[str, str]]:
+        """The multipart uploads open directly under the prefix: (name, upload id)."""
+        found, more = [], {}
+        while True:
+            page = self.call("listing the open uploads", None, "list_multipart_uploads", Prefix=self.prefix + "/",
+                             **more)
+            found += [(u["Key"][len(self.prefix) + 1:], u["UploadId"]) for u in page.get("Uploads", [])
+                      if "/" not in u["Key"][len(self.prefix) + 1:]]
+            if not page.get("IsTruncated"):
+                return found
+            more = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
+
     def store(self):
         """The prefix as a source store (`reshard.read.S3Store`): what a rule reads of the output there."""
         from ..read import S3Store
@@ -206,11 +221,14 @@ def refuse_occupied(bucket: Bucket, existing: dict[str, int], overwrite: bool, r
     if not existing and not below:
         return
     if not overwrite:
-        raise OutputError(f"{bucket.url} already holds {plural(len(existing) + len(below), 'object')}. Pass "
-                          f"--overwrite to replace it (only {rule.replaceable} is replaced), or choose another "
+        interrupted = (f" and the record of an interrupted --overwrite ({CLAIM_NAME}), which --overwrite completes"
+                       if CLAIM_NAME in existing else "")
+        raise OutputError(f"{bucket.url} already holds {plural(len(existing) + len(below), 'object')}{interrupted}. "
+                          f"Pass --overwrite to replace it (only {rule.replaceable} is replaced), or choose another "
                           "prefix. Nothing was read or written.")
     entries = {**{name: True for name in existing}, **{name: False for name in below}}
-    why = rule.problem(bucket.store(), entries)
+    # an interrupted --overwrite left its record: what it names is reshard's to replace, so the rerun completes it
+    why = (claim_problem if CLAIM_NAME in existing else rule.problem)(bucket.store(), entries)
     if why is not None:
         raise OutputError(f"{bucket.url}: --overwrite replaces only {rule.replaceable}, and {why}. Nothing was "
                           "changed. Move or remove those objects yourself, or choose another prefix.")
@@ -312,178 +330,3 @@ class Uploads:
     def close(self) -> None:
         self.file_pool.shutdown(wait=False, cancel_futures=True)
         self.part_pool.shutdown(wait=False, cancel_futures=True)
-
-
-class BucketOutput:
-    """OUT as a bucket prefix: the checks at once, then the same steps as `reshard.write._staged.StagedOutput`
-    (`locked`, `claim`, `filling`, `complete`, `discard`, `error`), with multipart uploads for the temporary folder.
-
-    Args:
-        out: `s3://bucket/prefix`.
-        overwrite: whether a prefix holding an output `rule` allows may be replaced.
-        markers: the commit marker's files, written last in this order.
-        sources: `(name, place)` of each source (OUT must not be one, be inside one, or hold one:
-            `reshard.read.refuse_overlap`).
-        what: OUT's name in messages (`OUT`, `DEST`).
-    """
-
-    def __init__(self, out, overwrite: bool, *, markers: tuple[str, ...], rule: ReplaceRule, sources=(),
-                 what: str = "OUT"):
-        from ..read import refuse_overlap
-
-        self.bucket = Bucket(str(out))
-        self.out, self.overwrite, self.markers = self.bucket.url, overwrite, markers
-        refuse_overlap(str(out), what, sources)
-        self.bucket.check_writable()
-        self.existing, below = self.bucket.listing()
-        refuse_occupied(self.bucket, self.existing, overwrite, rule, below)
-        self.total = 0
-        self.uploads = Uploads(self.bucket)
-        self.on_file = self.uploads.send_later  # each file of the writer's spool is sent once whole
-        self.tmp: Path | None = None
-        self.adopted: dict[str, tuple[str, list[dict]]] = {}  # other ranks' open uploads, to complete or abort
-        self.completed: list[str] = []  # objects this write completed or put
-        self.done = False  # the marker is written
-
-    def locked(self):
-        """An object store has no lock: one write per prefix at a time is the caller's to keep."""
-        return nullcontext()
-
-    def claim(self, needed: int) -> None:
-        """With `--overwrite`, the old checkpoint's markers go before any new byte is sent."""
-        self.total = needed
-        for name in _MARKERS:
-            if name in self.existing:
-                self.bucket.call("removing the old marker", name, "delete_object", Key=self.bucket.key(name))
-
-    @contextmanager
-    def filling(self):
-        """The spool folder (`Uploads.spooling`); on any failure or interruption inside, every upload is aborted
-        (`discard`), and the error says what was removed."""
-        with self.uploads.spooling() as self.tmp:
-            try:
-                yield self.tmp
-            except BaseException as e:
-                removed = self.discard(interrupted=e if isinstance(e, KeyboardInterrupt) else None)
-                if isinstance(e, ReshardError):
-                    e.args = (f"{e} {removed}", *e.args[1:])
-                elif isinstance(e, OSError):
-                    raise OutputError(f"{self.out}: write failed ({e}). {removed}") from e
-                raise
-            finally:
-                self.uploads.close()
-
-    def open_shared(self) -> None:
-        """None: the ranks of a distributed job each spool their own files (`Uploads`) and hand over the uploads."""
-        return None
-
-    @contextmanager
-    def finishing(self):
-        """A spool folder for what the process completing a distributed job writes (the metadata, the marker)."""
-        with self.uploads.spooling() as self.tmp:
-            yield self.tmp
-
-    def completed_all(self) -> bool:
-        """Whether the marker is written."""
-        return self.done
-
-    def adopt(self, records: dict[str, tuple[str, list[dict]]]) -> None:
-        """Take over the open uploads another process sent (`Uploads.wait`): completed or aborted here. Several
-        processes may send parts of one upload (a merge across nodes, `reshard.write._spread`): their parts join."""
-        self.adopted = _joined_records(self.adopted, records)
-
-    def complete(self) -> None:
-        """Send what the spool still holds (the metadata, and the files `--workers` wrote), complete every upload,
-        write the markers last, then remove the old checkpoint's objects the new one does not have."""
-        spool = self.tmp
-        left = sorted(p.name for p in spool.iterdir() if p.is_file()) if spool is not None else []
-        self.uploads.wait()
-        left = [name for name in left if (spool / name).exists()]  # the files sent meanwhile are gone
-        for name in [n for n in left if n not in self.markers]:
-            if name.endswith(".safetensors"):
-                self.uploads.send(spool / name, self.uploads.open_upload(name))
-            else:
-                self.put(name)
-        for name, (upload, parts) in sorted(_joined_records(self.adopted, self.uploads.wait()).items()):
-            self.bucket.call("completing the upload", name, "complete_multipart_upload", Key=self.bucket.key(name),
-                             UploadId=upload, MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
-                             on_answer=lambda _, name=name: self._completed(name))
-        complete_hook("uploaded")
-        for name in [m for m in self.markers if m in left]:
-            self.put(name)
-        self.done = True
-        for name in sorted(set(self.existing) - set(self.completed)):
-            self.bucket.call("removing an object of the old checkpoint", name, "delete_object",
-                             Key=self.bucket.key(name))
-
-    def _completed(self, name: str) -> None:
-        """`name` is an object now (its answer came, even if the caller was interrupted): the clean-up removes it."""
-        self.adopted.pop(name, None)
-        with self.uploads.lock:
-            self.uploads.open.pop(name, None)
-        self.completed.append(name)
-
-    def put(self, name: str) -> None:
-        self.bucket.call("writing the object", name, "put_object", Key=self.bucket.key(name),
-                         Body=(self.tmp / name).read_bytes(), on_answer=lambda _: self._completed(name))
-
-    def discard(self, *, interrupted: KeyboardInterrupt | None = None) -> str:
-        """Abort every open upload and remove every object this write completed; returns what it did, for the
-        message (`interrupted`: each request is tried once, and the note travels on the interrupt for the CLI's last
-        line, `reshard.write._staged.left_behind_text`)."""
-        if self.done:
-            return f"{self.out}: complete (its marker is written); nothing was removed."
-        uploads, failed = self.uploads.abort(interrupted=interrupted is not None)
-        attempts = 1 if interrupted is not None else ATTEMPTS
-        for name, (upload, _) in self.adopted.items():
-            uploads[name] = upload
-            try:
-                self.bucket.call("aborting the upload", name, "abort_multipart_upload", attempts=attempts,
-                                 Key=self.bucket.key(name), UploadId=upload)
-            except OutputError:
-                failed.append(name)
-        self.adopted = {}
-        for name in self.completed:
-            try:
-                self.bucket.call("removing the object", name, "delete_object", attempts=attempts,
-                                 Key=self.bucket.key(name))
-            except OutputError:
-                failed.append(name)
-        note = _removal_text(self.out, uploads, self.completed, failed)
-        self.completed = []
-        if interrupted is not None:
-            interrupted.notes = (*getattr(interrupted, "notes", ()), note)
-        return note
-
-    def error(self, e: OSError) -> OutputError:
-        return e if isinstance(e, OutputError) else OutputError(f"{self.out}: write failed ({e}); nothing was kept.")
-
-
-def _joined_records(*records: dict[str, tuple[str, list[dict]]]) -> dict[str, tuple[str, list[dict]]]:
-    """Open uploads by name, `(upload id, parts)`, from several processes: one upload's parts from each joined."""
-    joined: dict[str, tuple[str, list[dict]]] = {}
-    for record in records:
-        for name, (upload, parts) in record.items():
-            known = joined.get(name, (upload, []))[1]
-            joined[name] = (upload, known + [p for p in parts if p not in known])
-    return joined
-
-
-def _removal_text(out: str, uploads: dict, completed: list, failed: list) -> str:
-    """What discarding a write to `out` removed, and what it could not."""
-    done = [f"aborted {plural(len(uploads), 'multipart upload')}"]
-    if uploads:
-        done[0] += f" ({', '.join(sorted(uploads)[:3])}{', ...' if len(uploads) > 3 else ''})"
-    if completed:
-        done.append(f"removed {plural(len(completed), 'object')} it had completed")
-    text = f"{out}: {' and '.join(done)}; no commit marker was written"
-    if failed:
-        text += (f"; {plural(len(failed), 'upload or object')} could not be removed ({', '.join(failed[:3])}): the "
-                 "server did not answer. Abort them (`aws s3api list-multipart-uploads`) or let the bucket's "
-                 "lifecycle rule remove them")
-    return text + "."
-
-
-def complete_hook(step: str) -> None:
-    """Called at each step of completing a bucket output; tests replace it to fail there. Steps: `uploaded` (every
-    upload completed, no marker written yet)."""

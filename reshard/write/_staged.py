@@ -174,12 +174,12 @@ def _output_error(e: OSError, out: Path, total: int) -> OutputError:
 def staged_output(out, overwrite: bool, index, *, rule: ReplaceRule = RESHARD_OUTPUT, markers: tuple[str, ...],
                   what: str = "OUT"):
     """OUT claimed for a job reading `index`: a folder (`StagedOutput`), or a bucket prefix
-    (`reshard.write._bucket.BucketOutput`, whose commit marker is the files `markers`, written last); neither may
+    (`reshard.write._bucket_output.BucketOutput`, whose commit marker is the files `markers`, written last); neither may
     overlap the source (`source_places`)."""
     from ..read import is_url
 
     if is_url(out):
-        from ._bucket import BucketOutput
+        from ._bucket_output import BucketOutput
 
         return BucketOutput(out, overwrite, markers=markers, rule=rule, sources=source_places(index), what=what)
     return StagedOutput(out, overwrite, source_places(index), rule=rule, what=what)
@@ -283,8 +283,8 @@ def left_behind_text(interrupt: BaseException) -> str:
     line: both travel on the interrupt (`left_behind`, and a bucket write's `notes`)."""
     left_behind = getattr(interrupt, "left_behind", ())
     notes = " ".join(getattr(interrupt, "notes", ())) + " " if getattr(interrupt, "notes", ()) else ""
-    if not left_behind:
-        return notes + "nothing partial was left behind."
+    if not left_behind:  # a bucket write's note says itself what it left (`BucketOutput.discard`)
+        return notes.strip() if notes else "nothing partial was left behind."
     lines = [notes.strip()] if notes else []
     for folder, out in left_behind:
         try:
