@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,9 +50,9 @@ def kind_of(request) -> str:
     return request.method
 
 
-def run(server: S3Server, bucket: str, cmd: list[str], env: dict, prefix: str) -> dict:
+def run(server: S3Server, bucket: str, cmd: list[str], env: dict, prefix: str, repo: Path) -> dict:
     server.clear_log()
-    wall, rss, err, cpu = wb.run_timed(cmd, env=env)
+    wall, rss, err, cpu = wb.run_timed(cmd, env=env, cwd=repo)  # `python -m` puts the working folder first
     log = [r for r in server.requests(bucket=bucket, wait=30) if r.key == "" or r.key.startswith(prefix + "/")]
     kinds = collections.Counter(kind_of(r) for r in log)
     return {"seconds": wall, "cpu": cpu, "rss_kib": rss, "requests": len(log), "kinds": dict(sorted(kinds.items())),
@@ -78,12 +79,16 @@ def main() -> None:
         env = server.environ("write", base=wb.env(args.repo.resolve()))
         src, total = wb.generate(work / "src", int(args.size_gb * GB), int(GB))
         print(f"SRC: {total / GB:.2f} GB", flush=True)
+        probe = subprocess.run([sys.executable, "-c", "import reshard; print(reshard.__file__)"], env=env,
+                               cwd=args.repo.resolve(), capture_output=True, text=True, check=True).stdout.strip()
+        print(f"  reshard from {probe}", flush=True)
 
         def write(url: str, *more: str) -> list[str]:
             return [sys.executable, "-m", "reshard", "write", str(src), url, "--fsdp", "4", "--ep", "2", "-q", *more]
 
         wb.check_plan(src, 4)  # the layout cache every timed write uses
-        first = run(server, bucket, write(f"s3://{bucket}/out"), env, "out")
+        repo = args.repo.resolve()
+        first = run(server, bucket, write(f"s3://{bucket}/out"), env, "out", repo)
         print(f"  the old checkpoint written in {first['seconds']:.2f} s", flush=True)
         rows: dict[str, list] = {"overwrite": [], "fresh": []}
         for i in range(args.runs):
@@ -91,7 +96,7 @@ def main() -> None:
                 wb.warm(src)
                 prefix = "out" if kind == "overwrite" else f"fresh-{i}"
                 row = run(server, bucket, write(f"s3://{bucket}/{prefix}", *(["--overwrite"] if kind == "overwrite"
-                                                                              else [])), env, prefix)
+                                                                              else [])), env, prefix, repo)
                 if kind == "fresh":
                     import s3fs
 
