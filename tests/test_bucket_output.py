@@ -60,8 +60,9 @@ def files_of(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def cli(server, *args, access_key="cli", **popen):
-    env = {**server.environ(access_key), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RESHARD_CACHE_DIR": ""}
+def cli(server, *args, access_key="cli", env_extra=None, **popen):
+    env = {**server.environ(access_key), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RESHARD_CACHE_DIR": "",
+           **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "reshard", *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
 
@@ -668,3 +669,25 @@ def test_a_merge_by_worker_processes_into_a_bucket_is_the_same(s3, s3_bucket, fo
     merge_checkpoint(ckpt, f"s3://{s3_bucket}/workers", max_shard_size=8_000_000, progress=False, workers=2)
     assert objects(s3, s3_bucket, "workers") == files_of(tmp_path / "merged")
     assert open_uploads(s3, s3_bucket) == []
+
+
+# ---- RESHARD_S3_PART_MIB: read where it is used, never clamped (issue 61, row 8) ----------------------------------
+
+@pytest.mark.parametrize("value", ["abc", "4.5", "0", "-3", "4", "5121", "6000", "0x10"])
+def test_a_bad_part_size_is_refused_in_one_line_before_any_request(s3, s3_bucket, folder, value):
+    src, _ = folder
+    run = cli(s3, "write", src, f"s3://{s3_bucket}/out", "--fsdp", "2", env_extra={"RESHARD_S3_PART_MIB": value})
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 2 and "Traceback" not in err, err
+    assert f"RESHARD_S3_PART_MIB='{value}': the S3 part size is a whole number of MiB from 5 to 5120" in err
+    assert s3.requests() == []
+
+
+def test_the_part_size_is_read_only_by_a_command_that_writes_a_bucket(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("RESHARD_S3_PART_MIB", "abc")  # a local write never needs it
+    write_checkpoint(tiny("qwen3_moe", experts=2), tmp_path / "out", MeshSpec(fsdp=2), progress=False)
+    for value, mib in (("5", 5), (" 5120 ", 5120), ("", 16)):
+        monkeypatch.setenv("RESHARD_S3_PART_MIB", value)
+        assert bucket_output.configured_part_bytes() == mib << 20
+    monkeypatch.delenv("RESHARD_S3_PART_MIB")
+    assert bucket_output.configured_part_bytes() == 16 << 20

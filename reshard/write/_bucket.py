@@ -39,8 +39,10 @@ from ._claim import CLAIM_NAME, claim_problem
 from ._replaceable import ReplaceRule
 
 # S3 takes 5 MiB to 5 GiB; 16 MiB x PARTS_IN_FLIGHT is the memory parts in flight hold. RESHARD_S3_PART_MIB sets
-# another (5 at least): smaller parts spread a merge across nodes more evenly (`reshard.write._spread`)
-PART_BYTES = max(5, int(os.environ.get("RESHARD_S3_PART_MIB") or 16)) << 20
+# another (`configured_part_bytes`): smaller parts spread a merge across nodes more evenly (`reshard.write._spread`)
+PART_MIB_VARIABLE = "RESHARD_S3_PART_MIB"
+_DEFAULT_PART_MIB, _LEAST_PART_MIB, _MOST_PART_MIB = 16, 5, 5 << 10
+PART_BYTES: int | None = None  # a part size set in code (the tests'); None: RESHARD_S3_PART_MIB, or 16 MiB
 _MAX_PARTS = 10_000  # S3's limit per upload: a larger file gets larger parts
 PARTS_IN_FLIGHT = 4
 _FILES_QUEUED = 1  # whole files waiting in the spool while the next is filled
@@ -51,10 +53,34 @@ PROBE = ".reshard-write-check"  # the key a write-permission check opens (and ab
 _SLOWEST_UPLOAD = 1 << 20  # bytes per second
 
 
+def configured_part_bytes() -> int:
+    """The part size asked for: `PART_BYTES`, or `RESHARD_S3_PART_MIB` (a whole number of MiB, 5 to 5120: what S3
+    takes), or 16 MiB; read when a bucket is written, so a bad value fails that command alone, before any request.
+
+    Raises:
+        UsageError: the variable is not a whole number within S3's limits (nothing is clamped).
+    """
+    if PART_BYTES is not None:
+        return PART_BYTES
+    text = os.environ.get(PART_MIB_VARIABLE, "").strip()
+    if not text:
+        return _DEFAULT_PART_MIB << 20
+    try:
+        mib = int(text, 10)
+    except ValueError:
+        mib = None
+    if mib is None or not _LEAST_PART_MIB <= mib <= _MOST_PART_MIB:
+        raise UsageError(f"{PART_MIB_VARIABLE}={text!r}: the S3 part size is a whole number of MiB from "
+                         f"{_LEAST_PART_MIB} to {_MOST_PART_MIB} (S3 takes parts of 5 MiB to 5 GiB); unset, it is "
+                         f"{_DEFAULT_PART_MIB}. Set it within that range or unset it. Nothing was read or written.")
+    return mib << 20
+
+
 def part_bytes(size: int) -> int:
-    """The part size for a file of `size` bytes: `PART_BYTES`, or larger (MiB-aligned) to stay within `_MAX_PARTS`."""
+    """The part size for a file of `size` bytes: `configured_part_bytes()`, or larger (MiB-aligned) to stay within
+    `_MAX_PARTS`."""
     least = -(-size // _MAX_PARTS)
-    return max(PART_BYTES, -(-least // (1 << 20)) << 20)
+    return max(configured_part_bytes(), -(-least // (1 << 20)) << 20)
 
 
 def _retried(error: BaseException) -> bool:
@@ -79,6 +105,7 @@ class Bucket:
         # spelled as a source is (`reshard.read.s3_prefix`): `s3://b//rs/` is `s3://b/rs`, here and in every message
         self.name, self.prefix = s3_prefix(url)
         self.url = f"s3://{self.name}/{self.prefix}"
+        configured_part_bytes()  # a bad RESHARD_S3_PART_MIB is refused before any request
         if not self.name or not self.prefix:
             raise UsageError(f"{url}: an output in a bucket is a prefix, s3://bucket/prefix, not a whole bucket. "
                              "Nothing was read or written.")
