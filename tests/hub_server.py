@@ -45,6 +45,7 @@ class LocalHub:
     refs: dict[str, dict[str, str]] = field(default_factory=dict)
     log: list[Request] = field(default_factory=list)
     failing: dict[tuple[str, str], str] = field(default_factory=dict)  # (repo, path) -> "drop"
+    shorts: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (repo, path) -> [answers left, bytes]
     url: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     down: str | None = None  # a regex: every request whose path matches it is answered 500 (".": a Hub in an outage)
@@ -77,8 +78,14 @@ class LocalHub:
     def fail(self, repo: str, path: str) -> None:
         self.failing[(repo, path)] = "drop"
 
+    def short(self, repo: str, path: str, times: int, by: int) -> None:
+        """The next `times` ranged GETs of `path` past its first byte (its data, not the header probe) answer an
+        honest 206 `by` bytes short: Content-Length and Content-Range say the shorter length, and that is sent."""
+        self.shorts[(repo, path)] = [times, by]
+
     def heal(self) -> None:
         self.failing.clear()
+        self.shorts.clear()
 
     def served(self, repo: str, path: str) -> list[Request]:
         """The resolve requests for one file (HEAD and GET)."""
@@ -192,6 +199,10 @@ def _handler(hub: LocalHub):
                 start = int(match.group(1))
                 end = min(int(match.group(2)) if match.group(2) else len(data) - 1, len(data) - 1)
                 status = 206
+                short = hub.shorts.get((repo, name)) if self.command == "GET" and start > 0 else None
+                if short and short[0] > 0 and end - short[1] >= start:
+                    short[0] -= 1
+                    end -= short[1]
             failing = self.command == "GET" and hub.failing.get((repo, name))
             if failing == "dropped":  # after the drop, the server errors until healed
                 with hub.lock:

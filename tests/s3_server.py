@@ -96,7 +96,10 @@ class _Fault:
     code: str | None = None
     seconds: float = 0.0
     mid_body: bool = False
-    header: str | None = None  # "strip": the request header weed never sees
+    header: str | None = None  # "strip": the request header weed never sees; "reply": the response header rewritten
+    rewrite: object = None  # "reply": value -> the value sent, or None to drop the header
+    short: int = 0  # "short": bytes fewer in an honest answer (Content-Length and Content-Range say so)
+    strip: str | None = None  # "reply": a request header weed never sees, too (one server, both faults)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -442,6 +445,19 @@ class S3Server:
         (`Range`: the whole object comes back; `If-Match`: no precondition is checked)."""
         self._add(_Fault("strip", n, frozenset(methods), key, header=header.lower()))
 
+    def reply_next(self, n: int, header: str, rewrite, *, key: str | None = None,
+                   methods: tuple[str, ...] = ("GET",), strip_request: str | None = None) -> None:
+        """For the next `n` matching requests, send weed's answer with response header `header` rewritten:
+        `rewrite(value)` is sent instead, or the header is dropped where it returns None (a server that sends no
+        `ETag`, or a weak or unquoted one); with `strip_request`, forwarded without that request header too."""
+        self._add(_Fault("reply", n, frozenset(methods), key, header=header.lower(), rewrite=rewrite,
+                         strip=strip_request.lower() if strip_request else None))
+
+    def short_next(self, n: int, by: int, *, key: str | None = None, methods: tuple[str, ...] = ("GET",)) -> None:
+        """For the next `n` matching requests, an honest answer `by` bytes shorter than weed's: its Content-Length
+        and Content-Range say the shorter length, and that many bytes are sent."""
+        self._add(_Fault("short", n, frozenset(methods), key, short=by))
+
     def wait_held(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds until a stalled request is being held: True once one is. (The log has it
         only once its stall is over, too late for a test that must act while it is held.)"""
@@ -637,7 +653,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
             # skip_host: the client's Host header goes through as signed.
             up.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-            stripped = fault.header if fault is not None and fault.kind == "strip" else None
+            stripped = None if fault is None else fault.header if fault.kind == "strip" else fault.strip
             for name, value in self.headers.items():
                 if name.lower() not in _HOP_BY_HOP and name.lower() != stripped:
                     up.putheader(name, value)
@@ -661,11 +677,26 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _relay_response(self, resp: http.client.HTTPResponse, fault: _Fault | None) -> None:
         self._status = resp.status
         self.send_response_only(resp.status, resp.reason)
-        for name, value in resp.getheaders():
-            if name.lower() not in _HOP_BY_HOP:
-                self.send_header(name, value)
-        bodiless = self.command == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
+        short = fault.short if fault is not None and fault.kind == "short" else 0
         length = resp.getheader("Content-Length")
+        if short and length is not None:
+            length = str(max(0, int(length) - short))
+        for name, value in resp.getheaders():
+            lower = name.lower()
+            if lower in _HOP_BY_HOP:
+                continue
+            if fault is not None and fault.kind == "reply" and lower == fault.header:
+                value = fault.rewrite(value)
+                if value is None:
+                    continue
+            if short and lower == "content-length":
+                value = length
+            elif short and lower == "content-range":
+                first, _, rest = value.partition("-")
+                last, _, total = rest.partition("/")
+                value = f"{first}-{int(last) - short}/{total}"
+            self.send_header(name, value)
+        bodiless = self.command == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
         chunked = not bodiless and length is None and resp.chunked
         if chunked:
             self.send_header("Transfer-Encoding", "chunked")
@@ -681,6 +712,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         hit = fault is not None and (fault.kind == "drop" or fault.mid_body)
         while True:
             want = CHUNK if not hit else max(0, min(CHUNK, cut - self._sent))
+            if short:
+                want = min(want, expected - self._sent)
+                if not want:
+                    break
             data = resp.read(want) if want else b""
             if hit and self._sent >= cut:
                 if fault.kind == "drop":

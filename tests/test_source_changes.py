@@ -30,6 +30,11 @@ def assert_nothing_left(out: Path) -> None:
     assert sorted(p.name for p in out.parent.glob(f".{out.name}.reshard-tmp-*")) == []
 
 
+def rank_files(folder: Path) -> dict[str, bytes]:
+    """The rank files of a written folder (its manifest names the source, which differs between S3 and local)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
+
+
 def other_data(path: Path, dest: Path) -> Path:
     """`path` with the same header (so the same size and tensors) and its data bytes reversed: a file whose old header
     still parses, but every tensor read at its offsets is wrong."""
@@ -96,6 +101,33 @@ def test_a_local_source_written_in_place_mid_write_stops_it(tiny, tmp_path, monk
     assert_nothing_left(out)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_local_source_rewritten_in_place_with_its_mtime_put_back_stops_it(tiny, tmp_path, monkeypatch, workers):
+    """Issue 61, row 6: same inode, same size, new bytes, and the modification time set back to what it was: only
+    the change time tells. Before: exit 0 with wrong bytes."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny("qwen3_moe", experts=6), src)
+    weights = src / "model.safetensors"
+    other = other_data(weights, tmp_path / "other.safetensors").read_bytes()
+
+    def rewrite():
+        before = os.stat(weights)
+        with open(weights, "r+b") as f:
+            f.write(other)
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = os.stat(weights)
+        assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size,
+                                                                    before.st_mtime_ns)
+
+    done = replace_on_first_fill(monkeypatch, rewrite, workers=workers)
+    out = tmp_path / "out"
+    expected = SourceChangedError if workers == 1 else ReshardError  # a worker's error reaches the parent as text
+    with pytest.raises(expected, match="the source changed while it was read .*its change time moved"):
+        write_checkpoint(src, out, MESH, progress=False, workers=workers)
+    assert done == [None]
+    assert_nothing_left(out)
+
+
 def test_an_unchanged_local_source_writes_as_before(tiny, tmp_path):
     """The checks refuse nothing on a source left alone (one process and two workers give the same bytes)."""
     src = tiny("qwen3_moe", experts=6)
@@ -141,6 +173,70 @@ def test_a_server_that_ignores_if_match_is_caught_by_the_answers_etag(s3, tiny, 
     with pytest.raises(SourceChangedError, match=r"changed while it was read \(its ETag went from .* to .*\)"):
         write_checkpoint(f"s3://{bucket}/src", out, MESH, progress=False)
     assert_nothing_left(out)
+
+
+def test_a_server_that_ignores_if_match_and_sends_no_etag_is_checked_by_a_head(s3, tiny, tmp_path, monkeypatch):
+    """Issue 61, row 5: If-Match ignored and no ETag in the answers, the object overwritten mid-write. Before: exit 0
+    with wrong bytes. Each answer without an ETag is followed by a HEAD, whose ETag is the new object's."""
+    src = tiny("qwen3_moe", experts=6)
+    bucket = s3.new_bucket("noetag")
+    s3.put_folder(src, f"s3://{bucket}/src")
+    other = other_data(src / "model.safetensors", tmp_path / "other.safetensors").read_bytes()
+    s3.reply_next(10_000, "ETag", lambda value: None, key="src/model.safetensors", strip_request="If-Match")
+    replace_on_first_fill(monkeypatch, lambda: s3.put_bytes(f"s3://{bucket}/src/model.safetensors", other))
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(SourceChangedError, match=r"changed while it was read \(its ETag went from .* to .*\)"):
+            write_checkpoint(f"s3://{bucket}/src", out, MESH, progress=False)
+    finally:
+        s3.clear_faults()
+    assert_nothing_left(out)
+    assert s3.requests(method="HEAD", key="src/model.safetensors")
+
+
+@pytest.mark.parametrize("spelling", ["weak", "unquoted", "none"])
+def test_an_etag_spelled_otherwise_is_the_same_etag(s3, tiny, tmp_path, spelling):
+    """Issue 61, row 9: the listing's ETag, weak (`W/"..."`) or unquoted in the answers, is not an overwrite; with
+    no ETag at all, the HEAD after each answer confirms it. The output is the local write's, byte for byte."""
+    src = tiny("qwen3_moe", experts=6)
+    bucket = s3.new_bucket(f"tag-{spelling}")
+    s3.put_folder(src, f"s3://{bucket}/src")
+    rewrite = {"weak": lambda v: f"W/{v}", "unquoted": lambda v: v.strip('"'), "none": lambda v: None}[spelling]
+    s3.reply_next(10_000, "ETag", rewrite, methods=("GET",), key="src/model.safetensors")
+    try:
+        write_checkpoint(f"s3://{bucket}/src", tmp_path / "out", MESH, progress=False)
+    finally:
+        s3.clear_faults()
+    write_checkpoint(src, tmp_path / "local", MESH, progress=False)
+    assert rank_files(tmp_path / "out") == rank_files(tmp_path / "local")
+    assert bool(s3.requests(method="HEAD", key="src/model.safetensors")) == (spelling == "none")
+
+
+@pytest.mark.parametrize("times", [1, 100])
+def test_an_honest_answer_cut_short_is_tried_again(s3, tiny, tmp_path, times):
+    """Issue 61, row 10: a 206 whose Content-Length and Content-Range say 1000 bytes fewer than asked. Once: tried
+    again, and the output is exact. Always: the error says the server sent fewer bytes than asked."""
+    src = tiny("qwen3_moe", experts=6)
+    bucket = s3.new_bucket(f"short-{times}")
+    s3.put_folder(src, f"s3://{bucket}/src")
+    s3.short_next(times, 1000, key="src/model.safetensors")
+    out = tmp_path / "out"
+    try:
+        if times == 1:
+            write_checkpoint(f"s3://{bucket}/src", out, MESH, progress=False)
+        else:
+            with pytest.raises(CheckpointError, match=r"failed after 4 attempts \(ShortAnswer: the server sent \d+ of "
+                                                      r"the \d+ bytes asked"):
+                write_checkpoint(f"s3://{bucket}/src", out, MESH, progress=False)
+    finally:
+        s3.clear_faults()
+    short = [r for r in s3.requests(method="GET", key="src/model.safetensors") if r.fault == "short"]
+    assert len(short) == min(times, 4) if times > 1 else len(short) == 1
+    if times == 1:
+        write_checkpoint(src, tmp_path / "local", MESH, progress=False)
+        assert rank_files(out) == rank_files(tmp_path / "local")
+    else:
+        assert_nothing_left(out)
 
 
 def test_a_server_that_ignores_range_is_said_to_send_more_than_asked(s3, tiny, tmp_path):

@@ -24,6 +24,11 @@ CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 10  # ATTEMPTS x this + the backoff stays under a minute: a vanished server is an error in time
 
 
+class ShortAnswer(ConnectionError):
+    """A ranged answer with fewer bytes than asked (an honest 206 cut short, a body that ended early): a transient
+    fault, tried again; the error after the last try says the server sent fewer bytes than asked."""
+
+
 def transient(error: BaseException) -> bool:
     """Whether a failed request may succeed when tried again: a 5xx, 408 or 429 answer, a reset or refused
     connection, a timeout; never a missing object or a refusal of access."""
@@ -140,16 +145,20 @@ class RemoteStore(Store):
             part = view[offset:offset + READ_BLOCK]
             first = start + offset
             got = self._call(f"a ranged read of bytes {first}-{first + len(part) - 1}", name,
-                             lambda: self._get_into(name, path, first, part))
+                             lambda: self._whole_answer(name, path, first, part))
             self._check_length(name, first, len(part), got)
             with self._lock:
                 self.fetched += got
 
+    def _whole_answer(self, name: str, path: str, start: int, view: memoryview) -> int:
+        """One ranged request into `view`; an answer shorter than asked is a transient fault (`ShortAnswer`), tried
+        again by `_call` like any other."""
+        got = self._get_into(name, path, start, view)
+        if got < len(view):
+            raise ShortAnswer(f"the server sent {got} of the {len(view)} bytes asked at {start}")
+        return got
+
     def _check_length(self, name: str, start: int, length: int, got: int) -> None:
-        if got < length:
-            raise CheckpointError(f"{self.url(name)}: asked for {length} bytes at {start}, got {got}: the object "
-                                  "is shorter than its header says (truncated or replaced). Nothing was kept.",
-                                  path=self.url(name))
         if got > length:
             raise CheckpointError(f"{self.url(name)}: asked for {length} bytes at {start}, got {got}: the server "
                                   "sent more than asked (it ignored the Range of the request), so where the bytes "
@@ -188,11 +197,11 @@ class S3Store(RemoteStore):
             raise
         body = answer["Body"]
         try:
-            if tag and answer.get("ETag") not in (None, tag):
+            if tag and answer.get("ETag") is not None and _tag_value(answer["ETag"]) != _tag_value(tag):
                 raise changed(self.url(name), f"its ETag went from {tag} to {answer['ETag']}: the object was "
                                               "overwritten")
             size = answer.get("ContentLength")
-            if size is not None and size != len(view):
+            if size is not None and size > len(view):
                 return size  # the wrong length (a server that ignored the Range): said before a byte is read
             done = 0
             while done < len(view):  # the answer's chunks go straight into their place: no joined `bytes`
@@ -200,9 +209,28 @@ class S3Store(RemoteStore):
                 if not got:
                     break
                 done += got
-            return done
         finally:
             body.close()
+        if tag and answer.get("ETag") is None:
+            await self._confirm_unchanged(name, bucket, key, tag)
+        return done
+
+    async def _confirm_unchanged(self, name: str, bucket: str, key: str, tag: str) -> None:
+        """An answer without an ETag, from a server whose listing gave one: a HEAD after it says whether the object
+        is still the one listed, so bytes read are never trusted on the server's word alone."""
+        head = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
+        now = head.get("ETag")
+        if now is None:
+            raise changed(self.url(name), "the server sends no ETag with its answers or its HEAD, so reshard cannot "
+                                          "tell the object is the one it listed; use a server that sends ETags")
+        if _tag_value(now) != _tag_value(tag):
+            raise changed(self.url(name), f"its ETag went from {tag} to {now}: the object was overwritten")
+
+
+def _tag_value(tag: str) -> str:
+    """An ETag's value: `W/"abc"`, `"abc"` and `abc` are one tag (servers and proxies quote and weaken them)."""
+    tag = tag.strip()
+    return (tag[2:] if tag[:2] in ("W/", "w/") else tag).strip('"')
 
 
 def _precondition_failed(error: BaseException) -> bool:

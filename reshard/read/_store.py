@@ -158,9 +158,10 @@ def _refuse_irregular(path: Path, name: str, mode: int) -> None:
         raise error
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What makes a file the same file: device, inode, size and modification time (ns)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What makes a file the same file: device, inode, size, modification and change time (ns). The change time
+    moves on every write and cannot be set back, so a file rewritten in place whose mtime was put back is caught."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def changed(where: str, what: str) -> SourceChangedError:
@@ -230,7 +231,7 @@ class LocalStore(Store):
         self._inside: set[str] = set()  # names whose links were checked
         # each file's identity when first seen (its header read): every later open, in this process or a worker,
         # and the engine after each output file, compare with it (`check_unchanged`); travels with the store
-        self._seen: dict[str, tuple[int, int, int, int]] = {}
+        self._seen: dict[str, tuple[int, int, int, int, int]] = {}
         self._hold_descriptors()
 
     def _hold_descriptors(self) -> None:
@@ -304,7 +305,7 @@ class LocalStore(Store):
             at_path = _identity(os.stat(self.root / name))
         except FileNotFoundError:
             raise changed(self.url(name), "it was removed") from None
-        for found in (now, at_path):
+        for found in (at_path, now):  # the name first: a file renamed over also moves the old one's change time
             if found != seen:
                 raise changed(self.url(name), _difference(seen, found))
 
@@ -351,7 +352,9 @@ def _difference(seen: tuple, found: tuple) -> str:
         return "another file now has its name: replaced, as by `mv` or a new download"
     if seen[2] != found[2]:
         return f"its size went from {seen[2]} to {found[2]} bytes"
-    return "it was written to since its header was read"
+    if seen[3] != found[3]:
+        return "it was written to since its header was read"
+    return "it was written to since its header was read (its change time moved, though its modification time did not)"
 
 
 def _close_all(fds: dict[str, int]) -> None:
