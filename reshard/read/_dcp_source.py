@@ -33,6 +33,7 @@ from ..manifest import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY,
 from ..plan import ModelLayout, Piece, RankSpans, TargetTensor, ranks_text, role_of, whole_tensor
 from ..words import plural
 from ._checkpoint import CheckpointIndex, SourceKind, copied_files, read_config
+from ._config_bounds import check_config_bounds
 from ._safetensors_header import FileHeader, TensorEntry, header_of
 
 @dataclass(frozen=True)
@@ -218,6 +219,8 @@ def _read_saved_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
         offsets = _saved_offsets(header, spec)
         for t in header.tensors:
             chunks.setdefault(t.name, []).append((t, offsets[t.name]))
+    check_config_bounds(config, ((name, tuple(o + n for (o, n) in zip(at, t.shape))) for name, found in chunks.items()
+                                 for t, at in found), where=spec)  # each chunk's far corner: the global extent
     model = build_meta_model(config)
     meta_state = model.state_dict()
     buffers = {name for name, _ in model.named_buffers()}

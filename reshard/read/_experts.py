@@ -16,6 +16,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 from ._checkpoint import CheckpointIndex
+from ._config_bounds import check_config_bounds
 from ._converter_ops import compose_pieces
 from ._key_templates import indices_are_opaque, natural_sort, rename_by_template
 from ..errors import ArchitectureError, CheckpointError
@@ -100,6 +101,8 @@ def find_experts(index: CheckpointIndex) -> ModelLayout:
     if index.config.get("quantization_config"):  # callers plan the bf16 view (`open_source`)
         raise ArchitectureError(f"{index.source}: a quantized checkpoint is mapped through its bf16 view; open it with "
                                 "reshard.open_source(...), whose model_layout() is the bf16 view's.")
+    # before the cache too: a config the headers cannot hold is refused the same way, cached layout or not
+    check_config_bounds(index.config, ((t.name, t.shape) for t in index.tensors.values()), where=index.source)
     from ._cache import load_layout, save_layout
 
     cached = load_layout(index)
