@@ -46,7 +46,7 @@ def never_built(monkeypatch):
                            r"and than their number of tensors \(\d+\)"),
     ("hidden_size", 10**12, r"hidden_size is 1,000,000,000,000, which is larger than any dimension"),
     ("vocab_size", 10**10, r"vocab_size is 10,000,000,000, which is larger than any dimension"),
-    ("moe_intermediate_size", 1e30, r"moe_intermediate_size is 1e\+30, which is larger than any dimension"),
+    ("moe_intermediate_size", 10**15, r"moe_intermediate_size is 1,000,000,000,000,000, which is larger than any"),
     ("intermediate_size", [64, 10**9], r"intermediate_size is 1,000,000,000, which is larger"),
 ])
 def test_a_config_larger_than_its_weights_is_refused_before_a_model_is_built(tiny, tmp_path, never_built, key, value,

@@ -28,13 +28,17 @@ SIZE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_ex
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 
 
-def check_config_bounds(config: dict, shapes: Iterable[tuple[str, tuple[int, ...]]], *, where: str) -> None:
+def check_config_bounds(config: dict, shapes: Iterable[tuple[str, tuple[int, ...]]], *, where: str,
+                        rank_files: int = 0) -> None:
     """Refuse a config whose model could not be built from these tensors, before anything is built.
 
     Args:
         config: the parsed `config.json`.
         shapes: every tensor's key and (global) shape, from the headers.
         where: the source, for the message.
+        rank_files: for a folder of rank files, how many there are; the shapes are then the far corners of their
+            chunks, short of the global extent when a rank file is missing, and the size bound is widened by
+            `rank_files + 1` so that the missing file is what the caller names, not the config.
 
     Raises:
         CheckpointError: a sizing value names more layers than the keys hold, or is larger than every dimension of
@@ -51,7 +55,7 @@ def check_config_bounds(config: dict, shapes: Iterable[tuple[str, tuple[int, ...
         if key in LAYER_KEYS and layers and value > layers:
             raise _refused(where, path, value, f"names more layers than the weights hold ({layers}: keys with layer "
                                                f"indices 0-{layers - 1})")
-        bound = max(largest, tensors)
+        bound = max(largest, tensors) * (rank_files + 1 if rank_files else 1)
         if value > bound:
             raise _refused(where, path, value, f"is larger than any dimension of the weights ({largest}) and than "
                                                f"their number of tensors ({tensors}): no model of that size is in "
@@ -65,7 +69,8 @@ def _sizing_values(config: dict, prefix: str = ""):
             yield from _sizing_values(value, f"{prefix}{key}.")
         elif key in LAYER_KEYS or key in SIZE_KEYS:
             for number in value if isinstance(value, list) else [value]:  # a per-layer list: each entry
-                if isinstance(number, (int, float)) and not isinstance(number, bool):
+                # whole numbers only: a float or a string is the config class's to refuse, with its type
+                if isinstance(number, int) and not isinstance(number, bool):
                     yield f"{prefix}{key}", key, number
 
 

@@ -220,7 +220,7 @@ def _read_saved_folder(store, spec: str) -> tuple[DcpIndex, ModelLayout]:
         for t in header.tensors:
             chunks.setdefault(t.name, []).append((t, offsets[t.name]))
     check_config_bounds(config, ((name, tuple(o + n for (o, n) in zip(at, t.shape))) for name, found in chunks.items()
-                                 for t, at in found), where=spec)  # each chunk's far corner: the global extent
+                                 for t, at in found), where=spec, rank_files=len(names))  # far corners of chunks
     model = build_meta_model(config)
     meta_state = model.state_dict()
     buffers = {name for name, _ in model.named_buffers()}
