@@ -507,6 +507,23 @@ def test_a_server_that_goes_away_mid_upload_ends_in_a_clear_error(folder):
     assert "Traceback" not in err and stopped < 60, (stopped, err)
 
 
+def test_an_orphaned_send_that_dies_with_its_connection_prints_nothing(caplog):
+    """The flake behind the test above: aiohttp's body-sending task died with the connection after its request had
+    failed, and asyncio printed 'Task exception was never retrieved' and a traceback at exit."""
+    import s3fs
+
+    from reshard.read._source import s3_filesystem
+
+    loop = s3_filesystem(s3fs).loop
+    handler = loop.get_exception_handler()
+    message = "Task exception was never retrieved"
+    with caplog.at_level("ERROR", logger="asyncio"):
+        handler(loop, {"message": message, "exception": ConnectionResetError("Cannot write to closing transport")})
+        assert caplog.records == []
+        handler(loop, {"message": message, "exception": ValueError("a bug of ours")})  # anything else is shown
+    assert [r.getMessage() for r in caplog.records] == [message]
+
+
 # ---- merge across nodes into a bucket -------------------------------------------------------------------------------
 
 def merge_across_nodes(s3, bucket: str, tiny, tmp_path, prefix: str, max_shard_size: int, *, model=None, **run):

@@ -262,7 +262,20 @@ def s3_filesystem(s3fs):
     fs = s3fs.S3FileSystem(endpoint_url=_s3_endpoint(), skip_instance_cache=True, config_kwargs={
         "connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S, "retries": {"total_max_attempts": 1}})
     fs.retries = 1
+    fs.loop.set_exception_handler(_quiet_orphaned_sends)
     return fs
+
+
+def _quiet_orphaned_sends(loop, context) -> None:
+    """The loop's handler for errors nobody awaited: a connection error is dropped, anything else is shown.
+
+    When a server goes away mid-request, aiohttp's task that sends the body dies with the connection after the
+    request itself has failed; reshard has retried or reported that request already, and asyncio would print the
+    orphaned task's traceback at exit over the one line that says what to do."""
+    error = context.get("exception")
+    if isinstance(error, OSError) or type(error).__module__.startswith("aiohttp"):
+        return
+    loop.default_exception_handler(context)
 
 
 def _s3_store(url: str) -> S3Store:
