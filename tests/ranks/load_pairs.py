@@ -35,9 +35,7 @@ def main():
                                       "empty_locals": sorted(n for n, s in local.items() if 0 in s)}
     except BaseException as e:  # report everything: the test asserts on it
         record_failure(report, e)
-    finish(report_dir, report)
-    if "error" in report:
-        sys.exit(3)
+    finish(report_dir, report, code=3 if "error" in report else 0)
 
 
 if __name__ == "__main__":

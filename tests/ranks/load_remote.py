@@ -34,9 +34,8 @@ def main():
     except Exception as e:  # the test reads it
         report["seconds"] = time.monotonic() - started
         record_failure(report, e)
-    finish(report_dir, report)  # a failed load has destroyed the group it made: no barrier then
-    if "error" in report:
-        sys.exit(3)
+    # a failed load has destroyed the group it made: no barrier then
+    finish(report_dir, report, code=3 if "error" in report else 0)
 
 
 if __name__ == "__main__":
