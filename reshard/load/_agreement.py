@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..errors import LoadError, ReshardError, VerifyError
 from ..launch import gather, raise_if_any
-from ..manifest import MANIFEST_NAME, Manifest, copied_problems, different_writes, header_problems, write_label
+from ..manifest import (MANIFEST_NAME, Manifest, copied_problems, different_writes, header_problems,
+                        unknown_identity, write_label)
 from ..plan import RankSpans
 from ..read import header_of, open_folder
 
@@ -196,6 +197,7 @@ def agree_to_load(folder, distributed_config=None, *, require_manifest: bool = T
 def _copy_facts(manifest: Manifest, rank: int) -> dict:
     """What this rank's copy is, for comparing copies across nodes: its write, mesh and ranks held, and the node."""
     return {"write": manifest.write_id, "flags": manifest.mesh.flags(),
+            "record": None if manifest.write_id else manifest.record_digest,  # an older reshard's: compared whole
             "holds": None if manifest.holds is None else [list(s) for s in manifest.holds],
             "node": _node_name(), "group": os.environ.get("GROUP_RANK"), "host": socket.gethostname(),
             "ranks": list(_node_ranks(rank))}
@@ -212,12 +214,15 @@ def _copies_by_node(facts: list[dict | None]) -> list[dict]:
 
 def _different_writes(folder, copies: list[dict]) -> str | None:
     """The message when nodes hold copies of different writes (other content, or another mesh), else None. A copy
-    without a write id (an older reshard's manifest) is compared by its mesh alone."""
-    if len({c["write"] for c in copies if c["write"]}) < 2 and len({c["flags"] for c in copies}) < 2:
-        return None
-    held = [(f"node {c['group']} ({c['host']}, ranks {RankSpans(c['ranks'])})" if c["group"] is not None else
-             f"{c['host']} (ranks {RankSpans(c['ranks'])})", c["write"], c["flags"]) for c in copies]
-    return different_writes(folder, held)
+    without a write id (an older reshard's manifest) meets only copies whose manifest is the same as its own (one
+    folder every node sees, whole copies of it); else its identity is unknown, and it is refused."""
+    names = [f"node {c['group']} ({c['host']}, ranks {RankSpans(c['ranks'])})" if c["group"] is not None else
+             f"{c['host']} (ranks {RankSpans(c['ranks'])})" for c in copies]
+    if len({c["write"] for c in copies if c["write"]}) > 1 or len({c["flags"] for c in copies}) > 1:
+        return different_writes(folder, [(who, c["write"], c["flags"]) for who, c in zip(names, copies)])
+    if len({c["record"] for c in copies}) > 1:
+        return unknown_identity(folder, [who for who, c in zip(names, copies) if not c["write"]])
+    return None
 
 
 def _nodes_swapped(folder, copies: list[dict]) -> str | None:

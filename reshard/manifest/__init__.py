@@ -12,7 +12,7 @@ Its interface is `__all__`, imported from the package (`from reshard.manifest im
 """
 
 from ._coverage import coverage_problem, coverage_problems, region_text
-from ._document import build_manifest, different_writes, joined_copies
+from ._document import build_manifest, different_writes, joined_copies, unknown_identity
 from ._entries import ExtrasEntry, FileEntry
 from ._format import (DCP_SHARDING_INFO_KEY, MANIFEST_NAME, SAVED_OFFSETS_KEY, SHARD_FILE_NAME, dcp_metadata,
                       dump_manifest, extra_file_name, shard_file_name)
@@ -24,5 +24,5 @@ __all__ = [
     "DCP_SHARDING_INFO_KEY", "ExtrasEntry", "FileEntry", "MANIFEST_NAME", "Manifest", "SAVED_OFFSETS_KEY",
     "SHARD_FILE_NAME", "build_manifest", "claimed_names", "copied_problems", "coverage_problem", "coverage_problems",
     "dcp_metadata", "different_writes", "dump_manifest", "extra_file_name", "header_problems", "joined_copies",
-    "read_manifest", "region_text", "shard_file_name", "tied_from_record", "write_label",
+    "read_manifest", "region_text", "shard_file_name", "tied_from_record", "unknown_identity", "write_label",
 ]

@@ -154,15 +154,30 @@ def different_writes(where, held: list[tuple[str, str | None, str]]) -> str:
             "says which write its copy belongs to. Nothing was changed.")
 
 
+def unknown_identity(where, lacking: list[str]) -> str:
+    """The message when copies meet and some have no `write_id` (an older reshard's manifest): `lacking` names
+    their holders. Two such copies of different checkpoints of one shape agree in everything else they record."""
+    named = " and ".join(lacking)
+    return (f"{where}: {named} {'hold copies' if len(lacking) > 1 else 'holds a copy'} with no write_id (written by "
+            "a reshard older than write identities), so nothing tells whether the copies are of one write: two "
+            "checkpoints of the same shapes record the same mesh and names. Copies are joined only by identity. "
+            "Write every node's copy again with this reshard, together (`torchrun --nnodes N --nproc-per-node P ... "
+            "-m reshard write SRC OUT ... --node-local`) or with `write --ranks` on each node from the same SRC "
+            "content and mesh; `reshard verify` on each node says which write its copy belongs to. Nothing was "
+            "changed.")
+
+
 def joined_copies(documents: list[dict], where, holders: list[str] | None = None) -> dict:
     """One whole folder's manifest document from the manifests of nodes' copies of it (`write --node-local`): their
     files and coordinates together, the extras from the copy that has them, no `holds`. Copies of one folder differ
     in nothing else; whole copies (staged by hand) are already the same. `holders`: each document's holder, for
-    messages (`node 0`, ...). A copy without a `write_id` (an older reshard's) is compared on what it records.
+    messages (`node 0`, ...). A copy without a `write_id` (an older reshard's) joins only copies whose manifest is
+    the same as its own, CRC-32s of every file included (one folder every node sees, or whole copies of it).
 
     Raises:
-        ManifestError: the copies are of different writes (naming which holder holds which), or of different
-            folders (naming the key that differs).
+        ManifestError: the copies are of different writes (naming which holder holds which), of unknown identity
+            and not all the same (naming the holders without a `write_id`), or of different folders (naming the
+            key that differs).
     """
     from ..errors import ManifestError
 
@@ -170,6 +185,9 @@ def joined_copies(documents: list[dict], where, holders: list[str] | None = None
     if len({d["write_id"] for d in documents if d.get("write_id")}) > 1:
         held = [(who, d.get("write_id"), _flags(d.get("mesh"))) for who, d in zip(holders, documents)]
         raise ManifestError([different_writes(where, held)])
+    if not all(d.get("write_id") for d in documents) and any(d != documents[0] for d in documents):
+        raise ManifestError([unknown_identity(where, [who for who, d in zip(holders, documents)
+                                                      if not d.get("write_id")])])
     skipped = {"holds", "files", "coords", "extras"} | ({"write_id"} if not all(d.get("write_id") for d in documents)
                                                           else set())
     joined = {k: v for k, v in documents[0].items() if k not in skipped}

@@ -7,6 +7,7 @@ every load path, the reader and a read as a source use that one check.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -89,6 +90,12 @@ class Manifest:
     def to_json(self) -> str:
         """The document as `reshard.json` holds it (deterministic: sorted keys)."""
         return dump_manifest(self._document)
+
+    @property
+    def record_digest(self) -> str:
+        """SHA-256 of the manifest as recorded (`to_json`): every field, each file's CRC-32 included. Equal for a
+        folder every node sees and for whole copies of it; what copies without a `write_id` are compared by."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def __getstate__(self) -> dict:  # to a worker process as its typed value (no cached view, nothing validated)
         return plain_state(self, "tensors")
