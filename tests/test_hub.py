@@ -18,7 +18,7 @@ import pytest
 from reshard.read import HEADER_PROBE
 
 import hub_server
-from conftest import two_file_source
+from conftest import rank_reports, run_ranks, two_file_source
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "org/tiny"
@@ -47,9 +47,7 @@ def hub(tiny, tmp_path_factory):
 
 
 def cli(hub, home, *args, offline=False):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", OMP_NUM_THREADS="1", **({"HF_HUB_OFFLINE": "1"} if offline else {}))
+    env = {**hub_environ(hub, home), **({"HF_HUB_OFFLINE": "1"} if offline else {})}
     return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=120)
 
@@ -188,6 +186,39 @@ def test_write_stream_reads_ranges_caches_no_weights_and_writes_the_same_bytes(h
     assert (tmp_path / "again" / "reshard.json").read_text().count('"crc32"') > 0
     for path in sorted((tmp_path / "local").glob("*.safetensors")):
         assert path.read_bytes() == (tmp_path / "again" / path.name).read_bytes(), path.name
+
+
+def hub_environ(hub, home) -> dict:
+    """The environment of a process that reads `hub` with its own cache under `home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_PROGRESS_BARS="1", OMP_NUM_THREADS="1")
+    return env
+
+
+@pytest.mark.multirank
+def test_a_flipped_byte_in_a_rank_file_fails_a_load_from_the_hub_on_every_rank(hub, tmp_path):
+    """A reshard folder published on the Hub with one bit of rank 1's data flipped: a 2-rank load of the repo id
+    stops both ranks naming the file and its CRC-32 (a mutant that skipped the check for remote loads passed every
+    default test)."""
+    import reshard
+
+    folder = tmp_path / "fsdp2"
+    reshard.write_checkpoint(hub.local["main"], folder, reshard.MeshSpec(fsdp=2), progress=False)
+    name = "shard-00002-model-00001-of-00001.safetensors"
+    data = bytearray((folder / name).read_bytes())
+    data[-5] ^= 0x10
+    (folder / name).write_bytes(bytes(data))
+    hub.add_folder("org/flipped", folder)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    result = run_ranks("load_remote.py", 2, "org/flipped", hub.local["main"], reports,
+                       env=hub_environ(hub, tmp_path / "home"), timeout=180, check=False)
+    assert result.returncode != 0
+    for report in rank_reports(reports, 2):
+        assert report["error"].startswith("LoadError"), report
+        assert f"rank 1: {name} is corrupt (CRC-32" in report["error"], report["error"]
+        assert report["seconds"] < 60, report
 
 
 @pytest.mark.parametrize("times", [1, 100])
