@@ -573,6 +573,40 @@ def test_a_merge_across_nodes_into_a_bucket_equals_the_local_merge(s3, s3_bucket
     print(f"merge across nodes into s3: bytes sent per node {sent} of {total}")
 
 
+def test_node_copies_of_two_checkpoints_one_without_a_write_id_merge_nothing_into_a_bucket(s3, s3_bucket, tiny,
+                                                                                           tmp_path):
+    """Issue 61, row 4 into S3: node 0 holds v1's ranks 0-1 written by an older reshard (no write_id), node 1 v2's
+    ranks 2-3 (one shape, other weights). `merge --node-local` into the bucket exited 0 with 21-23 of 33 keys
+    matching neither; now every rank stops naming the copy without an identity, and no object is written."""
+    import json
+
+    from nodes import run_nodes
+
+    v1, v2 = tiny("qwen3_moe", experts=4), tiny("qwen3_moe", experts=4, seed=1)
+    mount_at, node_dirs = tmp_path / "disk", [tmp_path / "node0", tmp_path / "node1"]
+    for d in (mount_at, *node_dirs):
+        d.mkdir()
+    for node, (src, ranks) in enumerate(((v1, "0-1"), (v2, "2-3"))):
+        wrote = subprocess.run([sys.executable, "-m", "reshard", "write", str(src), str(node_dirs[node] / "ep"),
+                                "--fsdp", "4", "--ep", "2", "--ranks", ranks, "-q"], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert wrote.returncode == 0, wrote.stderr
+    manifest = node_dirs[0] / "ep" / "reshard.json"
+    document = json.loads(manifest.read_text())
+    del document["write_id"]
+    manifest.write_text(json.dumps(document))
+    s3.clear_log()
+    merge = run_nodes("cli_as_rank.py", "merge", mount_at / "ep", f"s3://{s3_bucket}/mixed", "--node-local", "-q",
+                      mount_at=mount_at, node_dirs=node_dirs, env={**s3.environ("ranks"), "PYTHONPATH": str(REPO)},
+                      timeout=240)
+    for node in merge.nodes:
+        assert node.returncode != 0, node.stderr[-3000:]
+        # each of the node's 2 ranks says it (torchrun's own traceback of the failed job follows)
+        assert node.stderr.count("holds a copy with no write_id (written by a reshard older than write identities)"
+                                 ) == 2, node.stderr[-3000:]
+    assert objects(s3, s3_bucket, "mixed") == {} and not s3.requests(bucket=s3_bucket, method="PUT")
+
+
 @pytest.mark.slow  # simulated nodes, 60 MB through the process group and the bucket
 def test_every_node_uploads_its_share_of_a_multipart_merge(s3, s3_bucket, tiny, tmp_path):
     """Files of several 5 MiB parts (RESHARD_S3_PART_MIB) whose bytes lie on both nodes: every node sends parts of them, about its share,
