@@ -316,9 +316,7 @@ def test_a_push_to_the_branch_during_a_streaming_write_changes_nothing_read(hub,
     """A Hub file is read at the commit `main` resolved to when the metadata was fetched: a new commit pushed to
     `main` between the header reads and the data (other bytes in every weight file) is not read."""
     home, marker, go = tmp_path / "home", tmp_path / "paused", tmp_path / "go"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = {**hub_environ(hub, home), "PYTHONPATH": str(ROOT)}
     writer = subprocess.Popen([sys.executable, "-c", PAUSED_WRITE, marker, go, "write", REPO, tmp_path / "streamed",
                                "--fsdp", "4", "--stream", "-q"], env=env, stderr=subprocess.PIPE, text=True)
     before = hub.refs[REPO]["main"]

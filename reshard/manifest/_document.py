@@ -185,11 +185,10 @@ def joined_copies(documents: list[dict], where, holders: list[str] | None = None
     if len({d["write_id"] for d in documents if d.get("write_id")}) > 1:
         held = [(who, d.get("write_id"), _flags(d.get("mesh"))) for who, d in zip(holders, documents)]
         raise ManifestError([different_writes(where, held)])
-    if not all(d.get("write_id") for d in documents) and any(d != documents[0] for d in documents):
-        raise ManifestError([unknown_identity(where, [who for who, d in zip(holders, documents)
-                                                      if not d.get("write_id")])])
-    skipped = {"holds", "files", "coords", "extras"} | ({"write_id"} if not all(d.get("write_id") for d in documents)
-                                                          else set())
+    lacking = [who for who, d in zip(holders, documents) if not d.get("write_id")]
+    if lacking and any(d != documents[0] for d in documents):  # so past here, all copies have an id or none has
+        raise ManifestError([unknown_identity(where, lacking)])
+    skipped = {"holds", "files", "coords", "extras"}
     joined = {k: v for k, v in documents[0].items() if k not in skipped}
     files: dict[str, dict] = {}
     coords: dict[int, dict] = {}

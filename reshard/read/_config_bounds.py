@@ -55,7 +55,7 @@ def check_config_bounds(config: dict, shapes: Iterable[tuple[str, tuple[int, ...
         if key in LAYER_KEYS and layers and value > layers:
             raise _refused(where, path, value, f"names more layers than the weights hold ({layers}: keys with layer "
                                                f"indices 0-{layers - 1})")
-        bound = max(largest, tensors) * (rank_files + 1 if rank_files else 1)
+        bound = max(largest, tensors) * (rank_files + 1)
         if value > bound:
             raise _refused(where, path, value, f"is larger than any dimension of the weights ({largest}) and than "
                                                f"their number of tensors ({tensors}): no model of that size is in "
